@@ -1,0 +1,355 @@
+"""Every message that crosses a process boundary, and one tagged union per inbox.
+
+Commands are imperatives (`AddRequest`, `RunBatch`, `CacheStep`); results are outcomes
+(`BatchDone`, `CacheStepDone`, `TokenBatch`). Tensors never sit inside a Struct: they ride as
+extra ZeroMQ frames and are referenced by `TensorRef` (see `wire.py`).
+
+The public client protocol (`ClientRequest` / `ClientReply`) is map-encoded and documented in
+README.md; internal messages may change between versions.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+from himamba.common.types import CachedTokens, FinishReason, SamplingParams, Usage
+
+
+class Message(msgspec.Struct, tag=True, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of every wire message. The class name is the tag."""
+
+
+class TensorRef(msgspec.Struct, frozen=True, array_like=True):
+    """A tensor carried as raw frame number `frame` (counted after the header frame)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    frame: int
+
+
+# ---------------------------------------------------------------- client <-> tokenizer (public)
+
+
+class GenerateRequest(Message):
+    """A client asks for a completion of `prompt` (text) or `input_ids` (token ids)."""
+
+    rid: str = ""  # chosen by the client (unique per connection); empty: the server picks one
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    sampling: SamplingParams = SamplingParams()
+    stream: bool = True
+
+
+class AbortGenerate(Message):
+    """A client gives up on a request; its resources are freed everywhere."""
+
+    rid: str
+
+
+class GenerateChunk(Message):
+    """A streamed delta (stream=True) or the whole answer (stream=False, finished=True)."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    logprobs: list[float] | None = None
+    prompt_token_ids: list[int] | None = None  # on the first chunk when the prompt was text
+
+
+class ErrorReply(Message):
+    """A request (or an undecodable message) was refused; the server keeps serving."""
+
+    message: str
+    rid: str = ""
+    code: int = 400
+
+
+ClientRequest = Union[GenerateRequest, AbortGenerate]
+ClientReply = Union[GenerateChunk, ErrorReply]
+
+
+# ---------------------------------------------------------------- tokenizer -> scheduler
+
+
+class AddRequest(Message):
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int  # resolved against the server default and the context length
+    eos_token_ids: list[int] = []
+    arrival_time: float = 0.0
+
+
+class AbortRequest(Message):
+    rid: str
+
+
+class StopRequest(Message):
+    """The tokenizer saw a stop string in the text: finish the request with reason `stop`."""
+
+    rid: str
+
+
+# ---------------------------------------------------------------- scheduler -> tokenizer
+
+
+class TokenOut(Message, array_like=True):
+    rid: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached: CachedTokens | None = None  # set once, on the first output of a request
+    error: str = ""
+
+
+class TokenBatch(Message):
+    """New tokens of several requests from one scheduler step."""
+
+    outs: list[TokenOut]
+
+
+# ---------------------------------------------------------------- scheduler -> worker
+
+
+class SeqPlan(msgspec.Struct, frozen=True, array_like=True):
+    """One sequence of a RunBatch. Its new tokens and pages are slices of the batch tensors."""
+
+    rid: str
+    prefix_len: int  # tokens already in KV (and reflected in the state slot)
+    new_len: int
+    num_pages: int  # pages of this sequence in the batch's `pages` tensor
+    state_slot: int
+    state_init: Literal["keep", "zero", "copy"] = "keep"
+    state_src: int = 0  # the slot to copy from when state_init == "copy"
+    captures: list[tuple[int, int]] = []  # (offset into the new tokens, destination slot)
+    sampling: SamplingParams = SamplingParams()
+    step: int = 0  # number of tokens generated so far (seeds the per-request sampler)
+
+
+class Transfer(msgspec.Struct, frozen=True, array_like=True):
+    """A copy order between device and host pools, acknowledged to the cache controller."""
+
+    op_id: int
+    direction: Literal["d2h", "h2d"]
+    kv_src: list[int]  # pages
+    kv_dst: list[int]
+    state_src: list[int] = []  # slots
+    state_dst: list[int] = []
+
+
+class RunBatch(Message):
+    """Run one forward (prefill or decode) and sample one token per sequence.
+
+    Frames: input_ids [T] int64, pages [sum(num_pages)] int64. Transfers run before the forward.
+    """
+
+    batch_id: int
+    mode: Literal["prefill", "decode", "none"]
+    seqs: list[SeqPlan]
+    input_ids: TensorRef | None = None
+    pages: TensorRef | None = None
+    transfers: list[Transfer] = []
+    return_logits: bool = False
+
+
+class ResetState(Message):
+    """Zero the given recurrent-state slots (used by tests and on recovery)."""
+
+    slots: list[int]
+
+
+# ---------------------------------------------------------------- worker -> scheduler
+
+
+class BatchDone(Message):
+    batch_id: int
+    next_tokens: list[int]
+    logprobs: list[float] | None = None
+    forward_s: float = 0.0
+    logits: TensorRef | None = None  # [B, V] float32 when return_logits
+    error: str = ""
+
+
+class WorkerInfo(Message):
+    """Sent by the worker once the model is loaded: what the scheduler and cache must know."""
+
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_attention_layers: int
+    num_recurrent_layers: int
+    kv_bytes_per_token: int
+    state_bytes_per_slot: int
+    num_pages: int
+    num_state_slots: int
+    num_host_pages: int
+    num_host_state_slots: int
+    model_name: str
+    random_weights: bool = False
+
+
+# ---------------------------------------------------------------- scheduler <-> cache controller
+
+
+class Admit(Message):
+    """Match the prompt against the cache, lock the hit, allocate pages and state slots.
+
+    `tokens` is the full context to compute (prompt, plus earlier generated tokens on a
+    re-admission). `num_slots` = working slot + track slots the strategy needs.
+    """
+
+    rid: str
+    tokens: list[int]
+    num_slots: int = 1
+    use_cache: bool = True
+
+
+class Admitted(Message):
+    rid: str
+    ok: bool
+    reason: str = ""  # why not (no memory): the scheduler keeps the request waiting
+    pages: list[int] = []  # pages for every token of `tokens` (shared prefix first)
+    slots: list[int] = []  # [working, *track]
+    cached_len: int = 0  # tokens served from cache (KV and state both)
+    cached: CachedTokens = CachedTokens()
+    state_src: int | None = None  # a tree slot to copy into the working slot before the prefill
+    branch_len: int = 0  # page-aligned KV match past the cached state: capture the state there
+    transfers: list[Transfer] = []
+
+
+class Extend(Message):
+    """Make sure request `rid` has pages for `total_len` tokens."""
+
+    rid: str
+    total_len: int
+
+
+class Extended(Message):
+    rid: str
+    ok: bool
+    new_pages: list[int] = []
+    transfers: list[Transfer] = []
+
+
+class AllocSlots(Message):
+    rid: str
+    num: int
+
+
+class SlotsAllocated(Message):
+    rid: str
+    ok: bool
+    slots: list[int] = []
+
+
+class FreeSlots(Message):
+    rid: str
+    slots: list[int]
+
+
+class Insert(Message):
+    """Insert `tokens` (whole pages, the request's own pages) with the state in `slot`.
+
+    The request keeps running (chunked prefill, decode tracking): the slot passes to the tree.
+    """
+
+    rid: str
+    tokens: list[int]
+    slot: int | None
+
+
+class Inserted(Message):
+    rid: str
+    pages: list[int] = []  # the canonical pages of the inserted prefix (re-point the page table)
+    slot_used: bool = False
+    transfers: list[Transfer] = []
+
+
+class Release(Message):
+    """The request is done: insert `tokens` with the state in `slot` (if given), free the rest."""
+
+    rid: str
+    tokens: list[int] = []
+    slot: int | None = None
+
+
+class Released(Message):
+    rid: str
+    transfers: list[Transfer] = []
+
+
+CacheOp = Union[Admit, Extend, AllocSlots, FreeSlots, Insert, Release]
+CacheResult = Union[Admitted, Extended, SlotsAllocated, Inserted, Released]
+
+
+class CacheStep(Message):
+    step_id: int
+    ops: list[CacheOp]
+
+
+class CacheStepDone(Message):
+    step_id: int
+    results: list[CacheResult]
+
+
+class TransfersDone(Message):
+    """The worker finished these copy orders (sent to the cache controller)."""
+
+    op_ids: list[int]
+
+
+class GetCacheStats(Message):
+    """Ask the cache controller for pool occupancy (sent by tests and tools)."""
+
+    reply_to: str
+    check_invariants: bool = False
+
+
+class CacheStats(Message):
+    free_pages: int
+    total_pages: int
+    free_slots: int
+    total_slots: int
+    free_host_pages: int = 0
+    total_host_pages: int = 0
+    free_host_slots: int = 0
+    total_host_slots: int = 0
+    cached_pages: int = 0
+    cached_slots: int = 0
+    running_requests: int = 0
+    invariants_ok: bool = True
+    invariants_error: str = ""
+
+
+# ---------------------------------------------------------------- control (services -> launcher)
+
+
+class Ready(Message):
+    service: str
+    pid: int
+    detail: str = ""
+
+
+class Fatal(Message):
+    service: str
+    pid: int
+    error: str
+
+
+class Shutdown(Message):
+    reason: str = ""
+
+
+# ---------------------------------------------------------------- one union per inbox
+
+ToTokenizer = Union[TokenBatch, WorkerInfo, Shutdown]
+ToScheduler = Union[AddRequest, AbortRequest, StopRequest, BatchDone, CacheStepDone, WorkerInfo, Shutdown]
+ToWorker = Union[RunBatch, ResetState, Shutdown]
+ToCache = Union[CacheStep, TransfersDone, WorkerInfo, GetCacheStats, Shutdown]
+ToLauncher = Union[Ready, Fatal]

@@ -1,0 +1,72 @@
+"""Small values shared by every service and the client: sampling parameters, usage, tiers."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Tier = Literal["device", "host", "storage"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How to pick tokens and when to stop. `temperature == 0` means greedy."""
+
+    max_tokens: int | None = None  # None: the server's default
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    n: int = 1
+    logprobs: bool = False
+
+    def validate(self, max_context_len: int) -> None:
+        """Raise ValueError naming the first field that is out of range."""
+        if self.max_tokens is not None and not (1 <= self.max_tokens <= max_context_len):
+            raise ValueError(f"max_tokens must be in [1, {max_context_len}], got {self.max_tokens}")
+        if not (0.0 <= self.temperature <= 100.0):
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not (-2.0 <= self.frequency_penalty <= 2.0):
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not (-2.0 <= self.presence_penalty <= 2.0):
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if self.n != 1:
+            raise ValueError(f"n must be 1 for now, got {self.n}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be >= 0")
+
+
+class CachedTokens(msgspec.Struct, frozen=True, kw_only=True):
+    """Prompt tokens that were not computed because a cache tier held them."""
+
+    device: int = 0
+    host: int = 0
+    storage: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host + self.storage
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: CachedTokens = CachedTokens()
