@@ -96,7 +96,7 @@ def load(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | 
     raw: dict[str, Any] = {}
     if path is not None:
         with open(path, "rb") as f:
-            raw = tomllib.load(f)
+            raw = msgspec.json.decode(f.read()) if str(path).endswith(".json") else tomllib.load(f)
     for section, fields in (overrides or {}).items():
         raw.setdefault(section, {}).update(fields)
     try:

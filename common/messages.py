@@ -219,7 +219,9 @@ class Admitted(Message):
     cached_len: int = 0  # tokens served from cache (KV and state both)
     cached: CachedTokens = CachedTokens()
     state_src: int | None = None  # a tree slot to copy into the working slot before the prefill
-    branch_len: int = 0  # page-aligned KV match past the cached state: capture the state there
+    branch_len: int = 0  # page-aligned KV match past the cached state
+    # (context position, slot): capture the state there during the prefill, then Insert it.
+    captures: list[tuple[int, int]] = []
     transfers: list[Transfer] = []
 
 

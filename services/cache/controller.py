@@ -1,0 +1,284 @@
+"""CacheController: the memory metadata of one server, with no I/O of its own.
+
+It owns the allocators of every pool, the radix tree, and the table of what each running
+request holds (pages, state slots, the lock receipt of its cached prefix). The cache service
+feeds it the scheduler's ops and sends back its results; tests drive it directly.
+
+Page ownership of a running request: `pages[:num_shared]` belong to the tree (the matched
+prefix, protected by the request's lock); `pages[num_shared:]` belong to the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from himamba.common.config import CacheConfig
+from himamba.common.messages import (
+    Admit,
+    Admitted,
+    AllocSlots,
+    CacheStats,
+    Extend,
+    Extended,
+    FreeSlots,
+    Insert,
+    Inserted,
+    Release,
+    Released,
+    SlotsAllocated,
+    Transfer,
+)
+from himamba.common.types import CachedTokens
+from himamba.services.cache.allocator import PageAllocator, SlotAllocator
+from himamba.services.cache.radix_tree import RadixTree
+
+
+@dataclass
+class RequestAlloc:
+    """What one running request holds."""
+
+    rid: str
+    pages: list[int] = field(default_factory=list)
+    num_shared: int = 0  # leading pages owned by the tree
+    slots: list[int] = field(default_factory=list)
+    receipt: Any = None  # the tree's LockReceipt for the shared prefix
+
+
+class CacheController:
+    """Answers the scheduler's Admit/Extend/Insert/Release; see the module docstring."""
+
+    def __init__(
+        self,
+        cfg: CacheConfig,
+        num_pages: int,
+        num_slots: int,
+        num_host_pages: int = 0,
+        num_host_slots: int = 0,
+    ):
+        self.cfg = cfg
+        self.page_size = cfg.page_size
+        self.device_kv = PageAllocator(num_pages)
+        self.device_state = SlotAllocator(num_slots)
+        self.host_kv = PageAllocator(num_host_pages) if num_host_pages else None
+        self.host_state = SlotAllocator(num_host_slots) if num_host_slots else None
+        self.tree: RadixTree | None = None
+        if not cfg.disable_radix_cache:
+            self.tree = RadixTree(
+                cfg.page_size,
+                self.device_kv,
+                self.device_state,
+                self.host_kv,
+                self.host_state,
+                write_policy=cfg.hicache_write_policy,
+                eviction_policy=cfg.eviction_policy,
+            )
+        self.requests: dict[str, RequestAlloc] = {}
+        self._next_op = 1
+        self.pending: dict[int, Any] = {}  # op_id -> tree op awaiting the worker's ack
+
+    # ------------------------------------------------------------ allocation with eviction
+
+    def _alloc_pages(self, n: int) -> list[int] | None:
+        if n <= 0:
+            return []
+        pages = self.device_kv.alloc(n)
+        if pages is None and self.tree is not None:
+            self.tree.evict(n - self.device_kv.num_free)
+            pages = self.device_kv.alloc(n)
+        return pages
+
+    def _alloc_slots(self, n: int) -> list[int] | None:
+        if n <= 0:
+            return []
+        slots = self.device_state.alloc(n)
+        if slots is None and self.tree is not None:
+            self.tree.evict_state(n - self.device_state.num_free)
+            slots = self.device_state.alloc(n)
+        return slots
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    # ------------------------------------------------------------ ops
+
+    def apply(self, op: Any) -> Any:
+        match op:
+            case Admit():
+                return self.admit(op)
+            case Extend():
+                return self.extend(op)
+            case AllocSlots():
+                return self.alloc_slots(op)
+            case FreeSlots():
+                return self.free_slots(op)
+            case Insert():
+                return self.insert(op)
+            case Release():
+                return self.release(op)
+        raise ValueError(f"unknown cache op {type(op).__name__}")
+
+    def admit(self, op: Admit) -> Admitted:
+        if op.rid in self.requests:
+            return Admitted(rid=op.rid, ok=False, reason="duplicate rid")
+        tokens = op.tokens
+        need_pages = self._pages_for(len(tokens))
+        shared: list[int] = []
+        cached_len = 0
+        state_src: int | None = None
+        branch_len = 0
+        receipt = None
+        transfers: list[Transfer] = []
+        cached = CachedTokens()
+        if self.tree is not None and op.use_cache and len(tokens) > 1:
+            m = self.tree.match_prefix(tokens[: len(tokens) - 1])
+            if m.state_tier == "device" and m.host_len == 0:
+                cached_len = m.cached_len
+                shared = list(m.device_pages)
+                state_src = m.node.device_state
+                cached = CachedTokens(device=cached_len)
+                receipt = self.tree.lock(m.node)
+            if m.kv_match_len > cached_len:
+                branch_len = m.kv_match_len
+        own = self._alloc_pages(need_pages - len(shared))
+        slots = self._alloc_slots(op.num_slots) if own is not None else None
+        if own is None or slots is None:
+            if own:
+                self.device_kv.free(own)
+            if receipt is not None:
+                self.tree.unlock(receipt)  # type: ignore[union-attr]
+            what = "KV pages" if own is None else "state slots"
+            return Admitted(rid=op.rid, ok=False, reason=f"not enough {what}")
+        use_tree = self.tree is not None and op.use_cache
+        captures = self._plan_captures(len(tokens), cached_len, branch_len) if use_tree else []
+        slots = slots + [slot for _, slot in captures]
+        self.requests[op.rid] = RequestAlloc(op.rid, shared + own, len(shared), slots, receipt)
+        return Admitted(
+            rid=op.rid,
+            ok=True,
+            pages=shared + own,
+            slots=slots,
+            cached_len=cached_len,
+            cached=cached,
+            state_src=state_src,
+            branch_len=branch_len,
+            captures=captures,
+            transfers=transfers,
+        )
+
+    def _plan_captures(self, num_tokens: int, cached_len: int, branch_len: int) -> list[tuple[int, int]]:
+        """Where this prefill should checkpoint its state for the tree, each with a slot.
+
+        The branch point (where a cached KV path continues past the deepest cached state) and
+        the last whole page of the context. Best effort: no slot, no checkpoint.
+        """
+        positions = {branch_len, num_tokens - num_tokens % self.page_size}
+        out = []
+        for pos in sorted(p for p in positions if cached_len < p <= num_tokens and p > 0):
+            slot = self._alloc_slots(1)
+            if slot is None:
+                break
+            out.append((pos, slot[0]))
+        return out
+
+    def extend(self, op: Extend) -> Extended:
+        req = self.requests.get(op.rid)
+        if req is None:
+            return Extended(rid=op.rid, ok=False)
+        need = self._pages_for(op.total_len) - len(req.pages)
+        new = self._alloc_pages(need)
+        if new is None:
+            return Extended(rid=op.rid, ok=False)
+        req.pages.extend(new)
+        return Extended(rid=op.rid, ok=True, new_pages=new)
+
+    def alloc_slots(self, op: AllocSlots) -> SlotsAllocated:
+        req = self.requests.get(op.rid)
+        slots = self._alloc_slots(op.num) if req is not None else None
+        if req is None or slots is None:
+            return SlotsAllocated(rid=op.rid, ok=False)
+        req.slots.extend(slots)
+        return SlotsAllocated(rid=op.rid, ok=True, slots=slots)
+
+    def free_slots(self, op: FreeSlots) -> SlotsAllocated:
+        req = self.requests.get(op.rid)
+        if req is not None:
+            mine = [s for s in op.slots if s in req.slots]
+            for s in mine:
+                req.slots.remove(s)
+            self.device_state.free(mine)
+        return SlotsAllocated(rid=op.rid, ok=req is not None)
+
+    def _insert(self, req: RequestAlloc, tokens: list[int], slot: int | None) -> Any:
+        """Give whole pages of `tokens` (and `slot`) to the tree; returns the InsertResult."""
+        assert self.tree is not None
+        n_pages = len(tokens) // self.page_size
+        tokens = tokens[: n_pages * self.page_size]
+        if slot is not None and slot in req.slots:
+            req.slots.remove(slot)
+        res = self.tree.insert(tokens, req.pages[:n_pages], slot, locked_prefix_len=req.num_shared * self.page_size)
+        if slot is not None and not res.state_used:
+            self.device_state.free([slot])
+        return res
+
+    def insert(self, op: Insert) -> Inserted:
+        req = self.requests.get(op.rid)
+        if req is None or self.tree is None or len(op.tokens) < self.page_size:
+            return Inserted(rid=op.rid)
+        res = self._insert(req, op.tokens, op.slot)
+        n = len(res.pages)
+        req.pages[:n] = res.pages
+        # The request now relies on the inserted node: move its lock there.
+        new_receipt = self.tree.lock(res.node)
+        if req.receipt is not None:
+            self.tree.unlock(req.receipt)
+        req.receipt = new_receipt
+        req.num_shared = max(req.num_shared, n)
+        return Inserted(rid=op.rid, pages=list(res.pages), slot_used=res.state_used)
+
+    def release(self, op: Release) -> Released:
+        req = self.requests.pop(op.rid, None)
+        if req is None:
+            return Released(rid=op.rid)
+        inserted_pages = 0
+        if self.tree is not None and op.tokens and len(op.tokens) >= self.page_size:
+            res = self._insert(req, op.tokens, op.slot)
+            inserted_pages = len(res.pages)
+        elif op.slot is not None and op.slot in req.slots:
+            pass  # freed with the other slots below
+        # Pages the tree now owns (shared prefix or just inserted) are not ours to free.
+        first_own = max(req.num_shared, inserted_pages)
+        self.device_kv.free(req.pages[first_own:])
+        self.device_state.free(req.slots)
+        if req.receipt is not None:
+            self.tree.unlock(req.receipt)  # type: ignore[union-attr]
+        return Released(rid=op.rid)
+
+    # ------------------------------------------------------------ inspection
+
+    def stats(self) -> CacheStats:
+        return CacheStats(
+            free_pages=self.device_kv.num_free,
+            total_pages=self.device_kv.capacity,
+            free_slots=self.device_state.num_free,
+            total_slots=self.device_state.capacity,
+            free_host_pages=self.host_kv.num_free if self.host_kv else 0,
+            total_host_pages=self.host_kv.capacity if self.host_kv else 0,
+            free_host_slots=self.host_state.num_free if self.host_state else 0,
+            total_host_slots=self.host_state.capacity if self.host_state else 0,
+            running_requests=len(self.requests),
+        )
+
+    def check_invariants(self) -> None:
+        """Every page and slot is free XOR owned by exactly one node or running request."""
+        own_pages = [p for r in self.requests.values() for p in r.pages[r.num_shared :]]
+        own_slots = [s for r in self.requests.values() for s in r.slots]
+        if self.tree is not None:
+            self.tree.check_invariants(external_device_pages=own_pages, external_device_slots=own_slots)
+            return
+        free_pages = self.device_kv.capacity - self.device_kv.num_free
+        if sorted(own_pages) != sorted(set(own_pages)) or len(own_pages) != free_pages:
+            raise AssertionError(f"page accounting: {len(own_pages)} owned vs {free_pages} allocated")
+        used_slots = self.device_state.capacity - self.device_state.num_free
+        if len(set(own_slots)) != len(own_slots) or len(own_slots) != used_slots:
+            raise AssertionError(f"slot accounting: {len(own_slots)} owned vs {used_slots} allocated")

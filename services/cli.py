@@ -1,0 +1,123 @@
+"""The `himamba` command: serve, service, generate, make-model, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import msgspec
+
+from himamba.common.config import Config, ConfigError, add_config_flags, config_from_args
+from himamba.common.log import setup_logging
+
+DEMO_ARCH = "nemotron_h"
+DEMO_PRESET = "tiny"
+
+
+def demo_dir() -> Path:
+    base = Path.home() / ".cache" / "himamba"
+    return base / f"demo-{DEMO_ARCH}-{DEMO_PRESET}-v1"
+
+
+def resolve_model(cfg: Config) -> Config:
+    """Replace `model = "demo"` by the demo checkpoint's directory, building it once."""
+    if cfg.model.model != "demo":
+        path = Path(cfg.model.model).expanduser()
+        if not (path / "config.json").exists():
+            raise ConfigError(f"model: {path} is not a checkpoint directory (no config.json)")
+        return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, model=str(path.resolve())))
+    from himamba.services.modelgen.checkpoint import make_checkpoint
+
+    path = demo_dir()
+    if not (path / "config.json").exists():
+        print(f"building the demo checkpoint (random weights) in {path} ...", file=sys.stderr, flush=True)
+        make_checkpoint(DEMO_ARCH, path, preset=DEMO_PRESET, seed=0)
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, model=str(path)))
+
+
+def _service(name: str, cfg: Config) -> None:
+    from himamba.services.actor import run_actor
+
+    if name == "worker":
+        from himamba.services.worker.service import WorkerService as cls
+    elif name == "cache":
+        from himamba.services.cache.service import CacheService as cls  # type: ignore[no-redef]
+    elif name == "scheduler":
+        from himamba.services.scheduler.service import SchedulerService as cls  # type: ignore[no-redef]
+    elif name == "tokenizer":
+        from himamba.services.tokenizer.service import TokenizerService as cls  # type: ignore[no-redef]
+    else:
+        raise ConfigError(f"unknown service {name!r}")
+    run_actor(cls(cfg))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="himamba", description="Serve hybrid Mamba/attention models with a tiered prefix cache.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start the four services and supervise them")
+    serve.add_argument("--config", help="a TOML config file (default: the embedded defaults)")
+    add_config_flags(serve)
+
+    svc = sub.add_parser("service", help="run one service alone (for external supervisors)")
+    svc.add_argument("name", choices=["tokenizer", "scheduler", "worker", "cache"])
+    svc.add_argument("--config", help="a TOML (or JSON) config file")
+    add_config_flags(svc)
+
+    sub.add_parser("generate", help="stream a completion from a running server", add_help=False)
+
+    mk = sub.add_parser("make-model", help="write a random-weight HF checkpoint (+ tokenizer)")
+    mk.add_argument("--arch", required=True)
+    mk.add_argument("--out", required=True)
+    mk.add_argument("--preset", default="tiny")
+    mk.add_argument("--seed", type=int, default=0)
+
+    bench = sub.add_parser("bench", help="benchmarks (print numbers and ratios)", add_help=False)
+    bench.add_argument("which", nargs="?")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["generate"]:
+        from himamba.services.generate_cmd import main as generate_main
+
+        return generate_main(argv[1:])
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "make-model":
+            from himamba.services.modelgen.checkpoint import make_checkpoint
+
+            out = make_checkpoint(args.arch, Path(args.out), preset=args.preset, seed=args.seed)
+            print(f"wrote a random-weight {args.arch} ({args.preset}) checkpoint to {out}")
+            return 0
+        cfg = resolve_model(config_from_args(args))
+    except (ConfigError, ValueError) as e:
+        print(f"himamba: {e}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        from himamba.services.launch import serve
+
+        setup_logging("launcher", cfg.log.level)
+        return serve(cfg)
+    _service(args.name, cfg)
+    return 0
+
+
+def _bench(argv: list[str]) -> int:
+    benches = {
+        "cache": "himamba.services.cache.bench",
+    }
+    if not argv or argv[0] not in benches:
+        print(f"usage: himamba bench {{{','.join(benches)}}} [options]", file=sys.stderr)
+        return 2
+    import importlib
+
+    return int(importlib.import_module(benches[argv[0]]).main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

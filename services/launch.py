@@ -1,0 +1,159 @@
+"""`himamba serve`: start the four services as child processes, wait until each is ready,
+then supervise: a child that dies takes the others down (exit code 1, naming it); SIGINT or
+SIGTERM stops every child within a few seconds (exit code 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import msgspec
+import zmq
+
+from himamba.common.config import Config, encode
+from himamba.common.messages import Fatal, Ready, ToLauncher
+
+SERVICES = ("worker", "cache", "scheduler", "tokenizer")
+_STOP_GRACE_S = 4.0
+
+
+class Child(NamedTuple):
+    name: str
+    proc: subprocess.Popen[bytes]
+
+
+def child_command(name: str, config_path: Path) -> list[str]:
+    # -P keeps the current directory off sys.path, so our folders never shadow real packages.
+    return [sys.executable, "-P", "-m", "himamba.services.cli", "service", name, "--config", str(config_path)]
+
+
+class Launcher:
+    """Spawns and supervises the services of one server."""
+
+    def __init__(self, cfg: Config, log: logging.Logger):
+        self.cfg = cfg
+        self.log = log
+        self.children: list[Child] = []
+        self._signal: int | None = None
+        self._tmp = tempfile.TemporaryDirectory(prefix="himamba-")
+        self.config_path = Path(self._tmp.name) / "config.json"
+        self.config_path.write_bytes(encode(cfg))
+        self.ctx = zmq.Context()
+        self.control = self.ctx.socket(zmq.PULL)
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.control.bind(cfg.endpoints.control_ipc)
+        self.decoder = msgspec.msgpack.Decoder(ToLauncher)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._signal = signum
+
+    def run(self) -> int:
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        try:
+            for name in SERVICES:
+                proc = subprocess.Popen(child_command(name, self.config_path), env=_child_env())
+                self.children.append(Child(name, proc))
+                self.log.info("started %s (pid %d)", name, proc.pid)
+            code = self._wait_ready()
+            if code is None:
+                self._announce()
+                code = self._supervise()
+            return code
+        finally:
+            self._stop_all()
+            self.control.close(0)
+            self.ctx.term()
+            self._tmp.cleanup()
+
+    def _poll_control(self, timeout_ms: int) -> Ready | Fatal | None:
+        if not self.control.poll(timeout_ms):
+            return None
+        frames = self.control.recv_multipart()
+        try:
+            return self.decoder.decode(frames[0])
+        except msgspec.DecodeError as e:
+            self.log.warning("bad control message: %s", e)
+            return None
+
+    def _dead_child(self) -> Child | None:
+        return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def _wait_ready(self) -> int | None:
+        """None when every service is ready; an exit code when startup failed or was stopped."""
+        pending = set(SERVICES)
+        while pending:
+            if self._signal is not None:
+                self.log.info("interrupted during startup")
+                return 0
+            dead = self._dead_child()
+            if dead is not None:
+                self.log.error("service %s (pid %d) exited with code %s during startup", dead.name, dead.proc.pid, dead.proc.returncode)
+                return 1
+            msg = self._poll_control(100)
+            if isinstance(msg, Ready):
+                pending.discard(msg.service)
+                self.log.info("%s ready%s", msg.service, f": {msg.detail}" if msg.detail else "")
+            elif isinstance(msg, Fatal):
+                self.log.error("service %s failed: %s", msg.service, msg.error)
+                return 1
+        return None
+
+    def _announce(self) -> None:
+        ep = self.cfg.endpoints.zmq_endpoint
+        print(f"himamba is ready: model {self.cfg.model.model}; ZeroMQ clients connect to {ep}", flush=True)
+        print(f'  try: himamba generate "def fibonacci(n):" --endpoint {ep}', flush=True)
+
+    def _supervise(self) -> int:
+        while True:
+            if self._signal is not None:
+                self.log.info("received %s, shutting down", signal.Signals(self._signal).name)
+                return 0
+            dead = self._dead_child()
+            if dead is not None:
+                self.log.error(
+                    "service %s (pid %d) died with exit code %s; stopping the server",
+                    dead.name,
+                    dead.proc.pid,
+                    dead.proc.returncode,
+                )
+                return 1
+            msg = self._poll_control(100)
+            if isinstance(msg, Fatal):
+                self.log.error("service %s reported a fatal error: %s; stopping the server", msg.service, msg.error)
+                return 1
+
+    def _stop_all(self) -> None:
+        live = [c for c in self.children if c.proc.poll() is None]
+        for c in live:
+            try:
+                c.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + _STOP_GRACE_S
+        for c in live:
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.log.warning("%s (pid %d) did not stop in time; killing it", c.name, c.proc.pid)
+                c.proc.kill()
+                c.proc.wait()
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONSAFEPATH"] = "1"
+    return env
+
+
+def serve(cfg: Config) -> int:
+    log = logging.getLogger("himamba.launch")
+    return Launcher(cfg, log).run()

@@ -1,0 +1,37 @@
+"""Batching policy: which running requests go into the next forward, and how many tokens each.
+
+Continuous batching: every admitted request joins the next decode batch. Prefill is FCFS and
+chunked: one prefill forward computes at most `chunk_budget` new tokens in total, so a long
+prompt is split across steps. When both prefill and decode work exist, the two kinds of step
+alternate, so running decodes keep producing tokens between the chunks of a long prompt.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+from himamba.services.scheduler.request import Req
+
+
+class BatchPlan(NamedTuple):
+    mode: Literal["prefill", "decode"]
+    items: list[tuple[Req, int]]  # (request, new tokens this step)
+
+
+def pick_batch(running: list[Req], chunk_budget: int, last_mode: str | None) -> BatchPlan | None:
+    prefill = [r for r in running if r.remaining > 1]
+    decode = [r for r in running if r.remaining == 1]
+    if not prefill and not decode:
+        return None
+    use_prefill = bool(prefill) and (not decode or last_mode != "prefill")
+    if not use_prefill:
+        return BatchPlan("decode", [(r, 1) for r in decode])
+    items: list[tuple[Req, int]] = []
+    budget = chunk_budget
+    for r in prefill:  # `running` is in admission order: FCFS
+        if budget <= 0:
+            break
+        n = min(r.remaining, budget)
+        items.append((r, n))
+        budget -= n
+    return BatchPlan("prefill", items)

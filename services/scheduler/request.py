@@ -1,0 +1,71 @@
+"""A request as the scheduler sees it, through its life: waiting -> running -> finished.
+
+`context` = prompt + generated tokens. `computed_len` tokens of it have their KV in the pool
+and are reflected in the working state slot. A forward computes `context[computed_len:...]`;
+when it reaches the end of the context, the sampled token is a new output token.
+A retracted request goes back to waiting with its output kept and is recomputed on re-admission.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from himamba.common.types import CachedTokens, FinishReason, SamplingParams
+
+Status = Literal["waiting", "running", "finished"]
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    eos_ids: frozenset[int]
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    status: Status = "waiting"
+    finish_reason: FinishReason | None = None
+    # Resources granted by the cache controller while running.
+    pages: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # [working, *track]
+    computed_len: int = 0
+    state_init: Literal["keep", "zero", "copy"] = "zero"
+    state_src: int = 0
+    # Absolute context positions where the state must be captured, with the slot it goes to.
+    pending_captures: list[tuple[int, int]] = field(default_factory=list)
+    last_state_len: int = 0  # the longest prefix for which a state was given to the tree
+    cached: CachedTokens | None = None
+    cached_reported: bool = False
+    abort_requested: bool = False
+    stop_requested: bool = False
+    num_retractions: int = 0
+    first_token_time: float | None = None
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def context_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to compute before the next token can be sampled."""
+        return self.context_len - self.computed_len
+
+    @property
+    def working_slot(self) -> int:
+        return self.slots[0]
+
+    def release_resources(self) -> None:
+        self.pages = []
+        self.slots = []
+        self.pending_captures = []
+        self.computed_len = 0
+        self.state_init = "zero"
+        self.last_state_len = 0

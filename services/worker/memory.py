@@ -1,0 +1,56 @@
+"""How many KV pages and state slots the device pools get.
+
+Explicit sizes from the config win. Otherwise a fraction of the free memory is split between
+KV and recurrent state, capped at what the scheduler could ever use, so a tiny model on a big
+machine does not reserve gigabytes for nothing.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from himamba.common.config import Config
+from himamba.services.worker.pools import KVSpec, StateSpec
+
+
+class PoolPlan(NamedTuple):
+    num_pages: int
+    num_state_slots: int
+    budget_bytes: int
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def plan_pools(cfg: Config, kv: KVSpec, state: StateSpec, device: torch.device) -> PoolPlan:
+    c, s = cfg.cache, cfg.scheduler
+    budget = int(free_memory_bytes(device) * c.memory_fraction)
+    # The most any workload can use: every running request at full context, twice over for cache.
+    max_useful_pages = 2 * s.max_running_requests * cfg.model.max_context_len // c.page_size + 1
+    max_useful_slots = 8 * s.max_running_requests
+    state_bytes = max(state.bytes_per_slot(), 1)
+    kv_page_bytes = max(kv.bytes_per_token() * c.page_size, 1)
+    if c.max_total_tokens:
+        pages = -(-c.max_total_tokens // c.page_size)
+    else:
+        pages = min(max_useful_pages, int(budget * 0.6) // kv_page_bytes)
+    if c.max_mamba_cache_size:
+        slots = c.max_mamba_cache_size
+    elif state.num_layers == 0:
+        slots = s.max_running_requests + 1  # pure-attention model: slots are bookkeeping only
+    else:
+        slots = min(max_useful_slots, int(budget * 0.4) // state_bytes)
+    return PoolPlan(num_pages=max(pages, 1), num_state_slots=max(slots, 1), budget_bytes=budget)

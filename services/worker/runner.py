@@ -1,0 +1,82 @@
+"""Turn a RunBatch (what the scheduler decided) into a ForwardBatch (what the model reads).
+
+No policy lives here: pages, slots and captures come from the scheduler and the cache
+controller; the runner only lays them out as tensors on the worker's device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from himamba.common.messages import RunBatch
+from himamba.common.wire import WireError, get_tensor
+from himamba.services.worker.forward_batch import Capture, ForwardBatch
+
+
+def _token_slots(pages: torch.Tensor, page_size: int, length: int) -> torch.Tensor:
+    """Token slots of the first `length` tokens of a sequence laid out on `pages`."""
+    offsets = torch.arange(page_size, dtype=torch.int64, device=pages.device)
+    return (pages.view(-1, 1) * page_size + offsets).view(-1)[:length]
+
+
+def build_forward_batch(
+    plan: RunBatch, frames: list[Any], page_size: int, num_pages: int, num_slots: int, device: torch.device
+) -> ForwardBatch:
+    """Validate the plan against the pools and build the model's batch tensors."""
+    if plan.input_ids is None or plan.pages is None:
+        raise WireError("RunBatch without input_ids/pages tensors")
+    input_ids = get_tensor(frames, plan.input_ids).to(device=device, dtype=torch.int64)
+    pages = get_tensor(frames, plan.pages).to(device=device, dtype=torch.int64)
+    seqs = plan.seqs
+    if input_ids.numel() != sum(s.new_len for s in seqs):
+        raise WireError(f"input_ids has {input_ids.numel()} tokens, plan says {sum(s.new_len for s in seqs)}")
+    if pages.numel() != sum(s.num_pages for s in seqs):
+        raise WireError("pages tensor does not match the plan")
+    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+        raise WireError("page index out of range")
+    for s in seqs:
+        if not (0 <= s.state_slot < num_slots):
+            raise WireError(f"state slot {s.state_slot} out of range")
+        if s.num_pages * page_size < s.prefix_len + s.new_len:
+            raise WireError(f"{s.rid}: {s.num_pages} pages cannot hold {s.prefix_len + s.new_len} tokens")
+        if plan.mode == "decode" and s.new_len != 1:
+            raise WireError("decode sequences take exactly one token")
+
+    positions, write_slots, seq_slots = [], [], []
+    start = 0
+    for s in seqs:
+        seq_pages = pages[start : start + s.num_pages]
+        start += s.num_pages
+        total = s.prefix_len + s.new_len
+        slots = _token_slots(seq_pages, page_size, total)
+        seq_slots.append(slots)
+        write_slots.append(slots[s.prefix_len :])
+        positions.append(torch.arange(s.prefix_len, total, dtype=torch.int64, device=device))
+
+    batch = ForwardBatch(
+        mode=plan.mode,  # type: ignore[arg-type]
+        input_ids=input_ids,
+        positions=torch.cat(positions) if positions else input_ids.new_empty(0),
+        new_lens=[s.new_len for s in seqs],
+        prefix_lens=[s.prefix_len for s in seqs],
+        write_slots=torch.cat(write_slots) if write_slots else input_ids.new_empty(0),
+        state_slots=torch.tensor([s.state_slot for s in seqs], dtype=torch.int64, device=device),
+        # A capture at the very end is a copy of the final state: the worker does it after the forward.
+        captures=[[Capture(off, slot) for off, slot in s.captures if off < s.new_len] for s in seqs],
+    )
+    if plan.mode == "prefill":
+        batch.seq_slots = seq_slots
+    else:
+        lens = [s.prefix_len + 1 for s in seqs]
+        table = torch.zeros((len(seqs), max(lens)), dtype=torch.int64, device=device)
+        for i, slots in enumerate(seq_slots):
+            table[i, : slots.numel()] = slots
+        batch.slot_table = table
+        batch.seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
+    for s in seqs:
+        for off, slot in s.captures:
+            if not (1 <= off <= s.new_len) or not (0 <= slot < num_slots):
+                raise WireError(f"{s.rid}: capture ({off}, {slot}) out of range")
+    return batch

@@ -1,0 +1,66 @@
+"""Sampling: one token per sequence from its last-position logits.
+
+Greedy rows (temperature 0) take the argmax, which breaks ties like transformers does (first
+index). Seeded rows draw from a generator seeded by (seed, step), so a request's tokens do not
+depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from himamba.common.types import SamplingParams
+
+
+class Sampled(NamedTuple):
+    tokens: list[int]
+    logprobs: list[float] | None
+
+
+def _seed_for(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step * 7_919 + 12_345) % (2**63 - 1)
+
+
+def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Apply temperature, top-k, top-p and min-p to one row of float32 logits."""
+    logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.numel():
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.min_p > 0.0:
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cum = sorted_probs.cumsum(0)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        drop_sorted = (cum - sorted_probs) >= p.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]) -> Sampled:
+    """logits: [B, V]. Returns one token per row (and its logprob when any row asks)."""
+    logits = logits.float()
+    greedy = [p.temperature == 0.0 for p in params]
+    out = torch.argmax(logits, dim=-1)
+    if not all(greedy):
+        for i, p in enumerate(params):
+            if greedy[i]:
+                continue
+            row = _filter(logits[i], p)
+            probs = torch.softmax(row, dim=-1)
+            gen = None
+            if p.seed is not None:
+                gen = torch.Generator(device=logits.device).manual_seed(_seed_for(p.seed, steps[i]))
+            out[i] = torch.multinomial(probs, 1, generator=gen)[0]
+    tokens = out.tolist()
+    logprobs = None
+    if any(p.logprobs for p in params):
+        lp = torch.log_softmax(logits, dim=-1)
+        logprobs = lp.gather(1, out.view(-1, 1)).view(-1).tolist()
+    return Sampled(tokens, logprobs)

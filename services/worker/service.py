@@ -1,0 +1,162 @@
+"""WorkerService: owns the model and every device tensor; runs what the scheduler orders.
+
+Per RunBatch: execute its copy orders (device<->host), initialise state slots, run the forward,
+sample, answer BatchDone. Orders run strictly in arrival order, which is what lets the cache
+controller reuse a page right after ordering it copied elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from himamba.common.config import Config
+from himamba.common.messages import (
+    BatchDone,
+    ResetState,
+    RunBatch,
+    Shutdown,
+    ToWorker,
+    TransfersDone,
+    WorkerInfo,
+)
+from himamba.common.transport import Outbox
+from himamba.common.wire import WireError, tensor_ref
+from himamba.services.actor import Actor
+from himamba.services.worker.loader import load_model
+from himamba.services.worker.memory import plan_pools
+from himamba.services.worker.pools import KVPool, StatePool
+from himamba.services.worker.runner import build_forward_batch
+from himamba.services.worker.sampler import sample
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_eos_token_ids(model_dir: Path) -> list[int]:
+    """EOS ids from generation_config.json, else config.json."""
+    for name in ("generation_config.json", "config.json"):
+        p = model_dir / name
+        if p.exists():
+            eos = json.loads(p.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else list(eos)
+    return []
+
+
+class WorkerService(Actor[ToWorker]):
+    name = "worker"
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg, cfg.endpoints.worker_ipc, ToWorker)  # type: ignore[arg-type]
+        self.device = torch.device(cfg.model.device)
+        self.scheduler = Outbox(self.ctx, cfg.endpoints.scheduler_ipc)
+        self.cache = Outbox(self.ctx, cfg.endpoints.cache_ipc)
+        self.tokenizer = Outbox(self.ctx, cfg.endpoints.tokenizer_ipc)
+
+    async def start(self) -> str:
+        cfg = self.cfg
+        if cfg.model.torch_threads:
+            torch.set_num_threads(cfg.model.torch_threads)
+        model_dir = Path(cfg.model.model)
+        t0 = time.perf_counter()
+        self.model = load_model(model_dir, device=self.device, dtype=_DTYPES[cfg.model.dtype])
+        kv_spec, state_spec = self.model.kv_spec(), self.model.state_spec()
+        plan = plan_pools(cfg, kv_spec, state_spec, self.device)
+        self.page_size = cfg.cache.page_size
+        self.kv = KVPool(kv_spec, plan.num_pages, self.page_size, self.device)
+        self.state = StatePool(state_spec, plan.num_state_slots, self.device)
+        config = json.loads((model_dir / "config.json").read_text())
+        self.info = WorkerInfo(
+            vocab_size=self.model.vocab_size,
+            eos_token_ids=read_eos_token_ids(model_dir),
+            num_attention_layers=kv_spec.num_layers,
+            num_recurrent_layers=state_spec.num_layers,
+            kv_bytes_per_token=kv_spec.bytes_per_token(),
+            state_bytes_per_slot=state_spec.bytes_per_slot(),
+            num_pages=plan.num_pages,
+            num_state_slots=plan.num_state_slots,
+            num_host_pages=0,
+            num_host_state_slots=0,
+            model_name=cfg.model.served_model_name or model_dir.name,
+            random_weights=bool(config.get("himamba_random_weights", False)),
+        )
+        for peer in (self.scheduler, self.cache, self.tokenizer):
+            await peer.send(self.info)
+        if self.info.random_weights:
+            self.log.warning("serving %s: RANDOM WEIGHTS (a demo checkpoint), its text is noise", model_dir)
+        return (
+            f"model {model_dir.name} loaded in {time.perf_counter() - t0:.1f}s; "
+            f"KV {plan.num_pages} pages x {self.page_size} tokens "
+            f"({plan.num_pages * self.page_size * kv_spec.bytes_per_token() / 2**20:.1f} MiB), "
+            f"{plan.num_state_slots} state slots ({plan.num_state_slots * state_spec.bytes_per_slot() / 2**20:.1f} MiB)"
+        )
+
+    async def handle(self, msg: ToWorker, frames: list[Any]) -> None:
+        match msg:
+            case RunBatch():
+                await self.on_run_batch(msg, frames)
+            case ResetState(slots=slots):
+                self.state.zero(torch.tensor(slots, dtype=torch.int64, device=self.device))
+            case Shutdown():
+                pass
+
+    async def on_run_batch(self, msg: RunBatch, frames: list[Any]) -> None:
+        t0 = time.perf_counter()
+        try:
+            done_ops = self.run_transfers(msg)
+            if msg.mode == "none" or not msg.seqs:
+                result = BatchDone(batch_id=msg.batch_id, next_tokens=[])
+                tensors: list[torch.Tensor] = []
+            else:
+                result, tensors = self.forward(msg, frames)
+        except (WireError, ValueError, IndexError, RuntimeError) as e:
+            self.log.error("batch %d failed: %s", msg.batch_id, e)
+            await self.scheduler.send(BatchDone(batch_id=msg.batch_id, next_tokens=[], error=str(e)))
+            return
+        result = BatchDone(
+            batch_id=result.batch_id,
+            next_tokens=result.next_tokens,
+            logprobs=result.logprobs,
+            forward_s=time.perf_counter() - t0,
+            logits=result.logits,
+        )
+        await self.scheduler.send(result, tensors)
+        if done_ops:
+            await self.cache.send(TransfersDone(op_ids=done_ops))
+
+    def run_transfers(self, msg: RunBatch) -> list[int]:
+        """Device<->host copies; the host tier arrives with the tiered cache."""
+        if msg.transfers:
+            raise ValueError("this worker has no host pools")
+        return []
+
+    @torch.inference_mode()
+    def forward(self, msg: RunBatch, frames: list[Any]) -> tuple[BatchDone, list[torch.Tensor]]:
+        batch = build_forward_batch(
+            msg, frames, self.page_size, self.kv.num_pages, self.state.num_slots, self.device
+        )
+        zero = [s.state_slot for s in msg.seqs if s.state_init == "zero"]
+        if zero:
+            self.state.zero(torch.tensor(zero, dtype=torch.int64, device=self.device))
+        copies = [(s.state_src, s.state_slot) for s in msg.seqs if s.state_init == "copy"]
+        if copies:
+            src = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=self.device)
+            dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=self.device)
+            self.state.copy(src, dst)
+        logits = self.model.forward(batch, self.kv, self.state)
+        final = [(s.state_slot, slot) for s in msg.seqs for off, slot in s.captures if off == s.new_len]
+        if final:
+            src = torch.tensor([f[0] for f in final], dtype=torch.int64, device=self.device)
+            dst = torch.tensor([f[1] for f in final], dtype=torch.int64, device=self.device)
+            self.state.copy(src, dst)
+        sampled = sample(logits, [s.sampling for s in msg.seqs], [s.step for s in msg.seqs])
+        tensors: list[torch.Tensor] = []
+        ref = None
+        if msg.return_logits:
+            tensors.append(logits.float().cpu())
+            ref = tensor_ref(tensors[0], 0)
+        return BatchDone(batch_id=msg.batch_id, next_tokens=sampled.tokens, logprobs=sampled.logprobs, logits=ref), tensors
