@@ -1,0 +1,116 @@
+"""Host-tier pools in shared memory, mapped by the worker (device<->host copies) and the cache
+controller (storage I/O) without copies.
+
+Host KV is page-first: one host page holds `page_size` tokens of every attention layer, K and V,
+contiguously, so a page goes to storage as one blob. Host state is slot-first: one slot holds
+every component of every recurrent layer contiguously.
+
+The worker creates the segments (it knows the model's shapes) and unlinks them at exit; it
+announces their names and layout in WorkerInfo; others attach by name.
+"""
+
+from __future__ import annotations
+
+import warnings
+from multiprocessing import resource_tracker, shared_memory
+from typing import NamedTuple
+
+import msgspec
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class StateComponentLayout(msgspec.Struct, frozen=True, array_like=True):
+    layer: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int  # bytes from the start of a slot
+
+
+class HostPoolLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """Shapes and shared-memory names of the host pools (carried in WorkerInfo)."""
+
+    kv_name: str = ""
+    num_pages: int = 0
+    page_size: int = 1
+    num_kv_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    kv_dtype: str = "float32"
+    state_name: str = ""
+    num_slots: int = 0
+    state_components: list[StateComponentLayout] = []
+    state_slot_bytes: int = 0
+
+    @property
+    def page_bytes(self) -> int:
+        itemsize = _DTYPES[self.kv_dtype].itemsize
+        return 2 * self.num_kv_layers * self.page_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+class HostPools(NamedTuple):
+    """Tensor views over the shared segments. `kv`: [pages, layers, 2, page_size, heads, dim];
+    `state[(layer, name)]`: [slots, *shape]; `kv_bytes` / `state_bytes`: raw uint8 views."""
+
+    kv: torch.Tensor | None
+    kv_bytes: torch.Tensor | None
+    state: dict[tuple[int, str], torch.Tensor]
+    state_bytes: torch.Tensor | None
+    segments: list[shared_memory.SharedMemory]
+
+    def close(self, unlink: bool = False) -> None:
+        for seg in self.segments:
+            try:
+                seg.close()
+            except BufferError:
+                pass  # a view is still alive; the OS unmaps at exit
+            if unlink:
+                try:
+                    seg.unlink()
+                except FileNotFoundError:
+                    pass
+
+
+def _segment(name: str, size: int, create: bool) -> shared_memory.SharedMemory:
+    if create:
+        return shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
+    seg = shared_memory.SharedMemory(name=name, create=False)
+    # Python 3.11 registers attached segments with the resource tracker, which would unlink
+    # the creator's segment when this process exits.
+    resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+    return seg
+
+
+def _view(seg: shared_memory.SharedMemory, nbytes: int) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(seg.buf, dtype=torch.uint8, count=nbytes)
+
+
+def open_host_pools(layout: HostPoolLayout, create: bool) -> HostPools:
+    """Create (worker) or attach to (cache controller) the shared host pools."""
+    segments = []
+    kv = kv_bytes = state_bytes = None
+    state: dict[tuple[int, str], torch.Tensor] = {}
+    if layout.num_pages and layout.kv_name:
+        nbytes = layout.num_pages * layout.page_bytes
+        seg = _segment(layout.kv_name, nbytes, create)
+        segments.append(seg)
+        kv_bytes = _view(seg, nbytes).view(layout.num_pages, layout.page_bytes)
+        kv = kv_bytes.view(-1).view(_DTYPES[layout.kv_dtype]).view(
+            layout.num_pages, layout.num_kv_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim
+        )
+    if layout.num_slots and layout.state_name:
+        nbytes = layout.num_slots * layout.state_slot_bytes
+        seg = _segment(layout.state_name, nbytes, create)
+        segments.append(seg)
+        state_bytes = _view(seg, nbytes).view(layout.num_slots, layout.state_slot_bytes)
+        for c in layout.state_components:
+            dtype = _DTYPES[c.dtype]
+            n = dtype.itemsize
+            for d in c.shape:
+                n *= d
+            state[(c.layer, c.name)] = state_bytes[:, c.offset : c.offset + n].view(dtype).view(layout.num_slots, *c.shape)
+    return HostPools(kv, kv_bytes, state, state_bytes, segments)

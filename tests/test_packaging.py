@@ -1,0 +1,26 @@
+"""The wheel ships every package: pyproject's list equals the folders holding __init__.py."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_package_list_is_complete():
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapping = cfg["package-dir"]
+    found = set()
+    for pkg, folder in mapping.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            found.add(".".join([pkg, *rel.parts]))
+    assert set(cfg["packages"]) == found
+
+
+def test_our_kernels_folder_does_not_shadow_hf_kernels():
+    import importlib.util
+
+    spec = importlib.util.find_spec("kernels")
+    assert spec is None or "site-packages" in (spec.origin or "")
