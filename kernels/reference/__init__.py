@@ -1,1 +1,1 @@
-
+"""PyTorch reference implementations: exact, vectorised, device-agnostic (CPU and CUDA)."""

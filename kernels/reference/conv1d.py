@@ -1,0 +1,99 @@
+"""Depthwise causal 1-D convolution of Mamba2 layers, for prefill and for one decode step.
+
+For channel d with kernel w[d, 0..K-1] and the inputs x[d, t] (t < 0 taken from the carried state):
+
+    out[d, t] = act(bias[d] + sum_k w[d, k] * x[d, t - (K - 1) + k])
+
+The carried state is the last K-1 *inputs* (not outputs) before the next segment, so a
+sequence can be split anywhere and resumed with the state of its first part.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class ConvResult(NamedTuple):
+    """Output of a causal conv over a segment and the state that continues it."""
+
+    out: Tensor  # [B, D, L], dtype of x
+    final_state: Tensor  # [B, D, K-1], the last K-1 inputs of concat(initial_state, x)
+
+
+def _check_activation(activation: str | None) -> None:
+    if activation not in ("silu", None):
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+
+
+def _check_weight(weight: Tensor, bias: Tensor | None, channels: int) -> int:
+    if weight.dim() != 2 or weight.shape[0] != channels or weight.shape[1] < 1:
+        raise ValueError(f"weight must be [D={channels}, K>=1], got {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (channels,):
+        raise ValueError(f"bias must be [D={channels}], got {tuple(bias.shape)}")
+    return weight.shape[1]
+
+
+def causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    initial_state: Tensor | None,
+    activation: str | None = "silu",
+) -> ConvResult:
+    """Causal depthwise conv over x [B, D, L], continuing from initial_state [B, D, K-1] (None: zeros).
+
+    Computed in weight's dtype (as transformers does); `out` is returned in x's dtype and
+    `final_state` in initial_state's dtype (x's when there is none). L may be shorter than K-1.
+    """
+    _check_activation(activation)
+    if x.dim() != 3:
+        raise ValueError(f"x must be [B, D, L], got {tuple(x.shape)}")
+    batch, channels, length = x.shape
+    width = _check_weight(weight, bias, channels)
+    if initial_state is None:
+        initial_state = x.new_zeros(batch, channels, width - 1)
+    elif tuple(initial_state.shape) != (batch, channels, width - 1):
+        raise ValueError(
+            f"initial_state must be [B={batch}, D={channels}, K-1={width - 1}], got {tuple(initial_state.shape)}"
+        )
+    padded = torch.cat([initial_state.to(weight.dtype), x.to(weight.dtype)], dim=-1)  # [B, D, K-1+L]
+    out = F.conv1d(padded, weight.unsqueeze(1), bias, groups=channels)  # [B, D, L]
+    if activation == "silu":
+        out = F.silu(out)
+    # A negative start would wrap when K == 1 (an empty state), so slice from an explicit index.
+    final_state = padded[:, :, padded.shape[-1] - (width - 1) :].to(initial_state.dtype).contiguous()
+    return ConvResult(out.to(x.dtype), final_state)
+
+
+def causal_conv1d_update(
+    x: Tensor,
+    conv_state: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    activation: str | None = "silu",
+) -> Tensor:
+    """One decode step: x [B, D] against conv_state [B, D, K-1]; returns out [B, D].
+
+    Mutates conv_state in place: it is shifted left by one column and x is appended.
+    """
+    _check_activation(activation)
+    if x.dim() != 2:
+        raise ValueError(f"x must be [B, D], got {tuple(x.shape)}")
+    batch, channels = x.shape
+    width = _check_weight(weight, bias, channels)
+    if tuple(conv_state.shape) != (batch, channels, width - 1):
+        raise ValueError(
+            f"conv_state must be [B={batch}, D={channels}, K-1={width - 1}], got {tuple(conv_state.shape)}"
+        )
+    window = torch.cat([conv_state.to(weight.dtype), x.to(weight.dtype).unsqueeze(-1)], dim=-1)  # [B, D, K]
+    out = (window * weight).sum(-1)
+    if bias is not None:
+        out = out + bias
+    if activation == "silu":
+        out = F.silu(out)
+    conv_state.copy_(window[:, :, 1:])
+    return out.to(x.dtype)

@@ -1,0 +1,58 @@
+"""RMS normalisation of the residual stream, and the gated, grouped variant inside Mamba2 mixers.
+
+    rms_norm(x)         = weight * x / sqrt(mean(x^2) + eps)                  over the last dim
+    gated_rms_norm(x, z) = weight * u / sqrt(mean_group(u^2) + eps), u = x * silu(z)
+
+Both compute in float32. Where the result is rounded back to x's dtype matters outside
+float32 and differs between models (see `rms_norm`); the gated form is the same in the Mamba2,
+NemotronH and GraniteMoeHybrid models of transformers (gate before norm, "norm_before_gate=False").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _check_weight(x: Tensor, weight: Tensor) -> None:
+    if x.dim() < 1 or tuple(weight.shape) != (x.shape[-1],):
+        raise ValueError(f"weight must be [D={x.shape[-1] if x.dim() else '?'}], got {tuple(weight.shape)}")
+
+
+def _normalize(x32: Tensor, eps: float) -> Tensor:
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, multiply_in_float32: bool = False) -> Tensor:
+    """RMSNorm over the last dim of x [..., D]; returns x's dtype.
+
+    By default the normalised value is cast to x's dtype before the weight multiply, as in
+    transformers' GraniteMoeHybridRMSNorm / Mamba2RMSNorm (Llama style). NemotronHRMSNorm instead
+    multiplies in float32 and casts the product: pass `multiply_in_float32=True` for it.
+    """
+    _check_weight(x, weight)
+    normed = _normalize(x.float(), eps)
+    if multiply_in_float32:
+        return (weight.float() * normed).to(x.dtype)
+    return (weight * normed.to(x.dtype)).to(x.dtype)
+
+
+def gated_rms_norm(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, group_size: int) -> Tensor:
+    """x * silu(gate) (gate None: x alone), RMS-normalised over groups of `group_size` channels, times weight.
+
+    x, gate: [..., D] with D % group_size == 0; returns x's dtype (cast before the weight multiply,
+    as transformers' MambaRMSNormGated, NemotronHRMSNormGated and GraniteMoeHybridRMSNormGated do).
+    """
+    _check_weight(x, weight)
+    width = x.shape[-1]
+    if group_size < 1 or width % group_size != 0:
+        raise ValueError(f"group_size must divide D={width}, got {group_size}")
+    if gate is not None and gate.shape != x.shape:
+        raise ValueError(f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
+    u = x.float()
+    if gate is not None:
+        u = u * F.silu(gate.float())
+    grouped = u.reshape(*x.shape[:-1], width // group_size, group_size)
+    normed = _normalize(grouped, eps).reshape(x.shape)
+    return (weight * normed.to(x.dtype)).to(x.dtype)

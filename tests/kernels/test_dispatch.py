@@ -1,0 +1,34 @@
+"""The public ops keep their references' exact signatures, so other implementations can drop in."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import himamba.kernels as kernels
+from himamba.kernels import dispatch
+from himamba.kernels.reference import attention, conv1d, norm, ssd
+
+REFERENCES = {
+    "causal_conv1d": conv1d.causal_conv1d,
+    "causal_conv1d_update": conv1d.causal_conv1d_update,
+    "ssd_scan": ssd.ssd_scan,
+    "selective_state_update": ssd.selective_state_update,
+    "rms_norm": norm.rms_norm,
+    "gated_rms_norm": norm.gated_rms_norm,
+    "paged_attention_prefill": attention.paged_attention_prefill,
+    "paged_attention_decode": attention.paged_attention_decode,
+    "write_kv": attention.write_kv,
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+def test_dispatch_signature_equals_reference(name: str) -> None:
+    assert inspect.signature(getattr(dispatch, name)) == inspect.signature(REFERENCES[name])
+    assert getattr(kernels, name) is getattr(dispatch, name)
+
+
+def test_package_exports_every_op_and_result_type() -> None:
+    assert set(kernels.__all__) == set(REFERENCES) | {"ConvResult", "ScanResult"}
+    assert kernels.ConvResult is conv1d.ConvResult and kernels.ScanResult is ssd.ScanResult
