@@ -1,0 +1,490 @@
+"""The himamba client: `Client` (blocking) and `AsyncClient` (asyncio) over ZeroMQ.
+
+Wire protocol
+=============
+The server binds a ZeroMQ ROUTER socket at its client endpoint (`[endpoints] zmq_endpoint`,
+default `ipc://@himamba-client`; `tcp://host:port` works the same). A client connects a DEALER
+(or anything speaking to a ROUTER) and exchanges single-frame messages; the ROUTER adds and
+strips the identity frame, so a DEALER sees only the payload frame. Many requests may be in
+flight on one connection: every reply names the request it belongs to (`rid`).
+
+Each payload is one MessagePack **map**. Its `"type"` key names the message; every other key is a
+field. Fields left out take their defaults; unknown keys are refused.
+
+Client -> server (`ClientRequest`):
+
+- ``{"type": "GenerateRequest", "rid": str, "prompt": str | nil, "input_ids": [int] | nil,
+  "sampling": {...}, "stream": bool}``: exactly one of `prompt` / `input_ids`. `rid` is chosen
+  by the client, unique among its in-flight requests on this connection (empty: the server
+  picks one). `sampling` (all optional): `max_tokens` (int | nil: server default),
+  `temperature` (0 = greedy), `top_p`, `top_k` (0 = off), `min_p`, `seed`, `stop` ([str]),
+  `stop_token_ids` ([int]), `ignore_eos`, `repetition_penalty`, `frequency_penalty`,
+  `presence_penalty`, `n` (1), `logprobs` (bool).
+- ``{"type": "AbortGenerate", "rid": str}``: give up on a request.
+
+Server -> client (`ClientReply`):
+
+- ``{"type": "GenerateChunk", "rid", "text", "token_ids", "finished", "finish_reason",
+  "usage", "logprobs", "prompt_token_ids"}``: with `stream` true, one chunk per step carrying
+  the *new* text and token ids; with `stream` false, one chunk with everything. The last chunk
+  has `finished` true, `finish_reason` one of "stop" (eos, stop token or stop string; a stop
+  string is not included in the text), "length", "abort", and `usage` =
+  ``{"prompt_tokens", "completion_tokens", "cached_tokens": {"device", "host", "storage"}}``
+  (prompt tokens served from each cache tier). `prompt_token_ids` comes on the first chunk when
+  the prompt was text.
+- ``{"type": "ErrorReply", "message": str, "rid": str, "code": int}``: the request was refused
+  or failed (400 bad input, 404 unknown rid, 409 rid in flight, 500 server error, 503 shutting
+  down). `rid` is "" when the payload could not be read at all. An abort is answered by a final
+  chunk with `finish_reason` "abort".
+
+Example (plain msgpack, any language)::
+
+    import msgpack, zmq
+    sock = zmq.Context().socket(zmq.DEALER)
+    sock.connect("ipc://@himamba-client")
+    sock.send(msgpack.packb({"type": "GenerateRequest", "rid": "1", "prompt": "def f(x):",
+                             "sampling": {"max_tokens": 16}}))
+    while True:
+        reply = msgpack.unpackb(sock.recv())
+        print(reply["text"], end="")
+        if reply["type"] == "ErrorReply" or reply["finished"]:
+            break
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Generator
+from typing import NamedTuple, TypedDict, Unpack
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from himamba.common.config import Config
+from himamba.common.messages import AbortGenerate, ClientReply, ErrorReply, GenerateChunk, GenerateRequest
+from himamba.common.types import FinishReason, SamplingParams, Usage
+
+_log = logging.getLogger("himamba.client")
+
+_CLOSED_CODE = 499  # ErrorReply code used locally when the client is closed under a waiting request
+
+
+class HimambaError(Exception):
+    """The server refused or failed a request (an `ErrorReply`)."""
+
+    def __init__(self, message: str, code: int = 500, rid: str = ""):
+        super().__init__(f"[{code}] {message}")
+        self.message = message
+        self.code = code
+        self.rid = rid
+
+
+class Completion(NamedTuple):
+    """A finished request."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    usage: Usage | None  # prompt/completion tokens and cached tokens by tier
+    prompt_token_ids: list[int] | None
+    logprobs: list[float] | None = None
+
+
+class GenerateOptions(TypedDict, total=False):
+    """Keyword arguments of `generate` / `stream` (see `make_request`)."""
+
+    input_ids: list[int] | None
+    rid: str | None
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    stop: list[str] | None
+    stop_token_ids: list[int] | None
+    ignore_eos: bool
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    logprobs: bool
+
+
+def make_request(
+    prompt: str | None = None,
+    *,
+    stream: bool = True,
+    input_ids: list[int] | None = None,
+    rid: str | None = None,
+    max_tokens: int | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+    stop: list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
+    ignore_eos: bool = False,
+    repetition_penalty: float = 1.0,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
+    logprobs: bool = False,
+) -> GenerateRequest:
+    """Build a GenerateRequest (a fresh rid when none is given). Ranges are checked by the server."""
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("exactly one of prompt and input_ids must be given")
+    if isinstance(stop, str):
+        stop = [stop]
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        seed=seed,
+        stop=list(stop or []),
+        stop_token_ids=list(stop_token_ids or []),
+        ignore_eos=ignore_eos,
+        repetition_penalty=repetition_penalty,
+        frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
+        logprobs=logprobs,
+    )
+    return GenerateRequest(
+        rid=rid or uuid.uuid4().hex,
+        prompt=prompt,
+        input_ids=None if input_ids is None else list(input_ids),
+        sampling=sampling,
+        stream=stream,
+    )
+
+
+class CompletionBuilder:
+    """Folds the chunks of one request into a Completion."""
+
+    def __init__(self, rid: str):
+        self._rid = rid
+        self._text: list[str] = []
+        self._ids: list[int] = []
+        self._logprobs: list[float] | None = None
+        self._prompt_ids: list[int] | None = None
+        self._reason: FinishReason | None = None
+        self._usage: Usage | None = None
+
+    def add(self, chunk: GenerateChunk) -> None:
+        self._text.append(chunk.text)
+        self._ids.extend(chunk.token_ids)
+        if chunk.logprobs is not None:
+            self._logprobs = (self._logprobs or []) + list(chunk.logprobs)
+        if chunk.prompt_token_ids is not None:
+            self._prompt_ids = list(chunk.prompt_token_ids)
+        if chunk.finished:
+            self._reason = chunk.finish_reason
+            self._usage = chunk.usage
+
+    def build(self) -> Completion:
+        return Completion(
+            self._rid, "".join(self._text), self._ids, self._reason, self._usage, self._prompt_ids, self._logprobs
+        )
+
+
+def _default_endpoint(endpoint: str | None) -> str:
+    return endpoint if endpoint else Config().endpoints.zmq_endpoint
+
+
+def _raise_if_error(reply: ClientReply) -> GenerateChunk:
+    if isinstance(reply, ErrorReply):
+        raise HimambaError(reply.message, reply.code, reply.rid)
+    return reply
+
+
+def _connection_event(raw: list[bytes]) -> bool | None:
+    """True for 'connected', False for 'disconnected', None for other monitor events."""
+    event = parse_monitor_message(raw)["event"]
+    if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+        return True
+    if event == zmq.EVENT_DISCONNECTED:
+        return False
+    return None
+
+
+class Client:
+    """Blocking client on one DEALER connection. Not thread-safe; several streams may interleave.
+
+    `timeout_s` bounds each wait for the next reply (None: wait forever); on expiry the request
+    is aborted and TimeoutError raised.
+    """
+
+    def __init__(self, endpoint: str | None = None, timeout_s: float | None = 600):
+        self.endpoint = _default_endpoint(endpoint)
+        self.timeout_s = timeout_s
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self._sock.connect(self.endpoint)
+        self._connected = False
+        self._decoder = msgspec.msgpack.Decoder(ClientReply)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._pending: dict[str, collections.deque[ClientReply]] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------ public
+
+    def wait_connected(self, timeout_s: float = 3.0) -> bool:
+        """Whether a server is there: True once the connection handshake succeeded within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._drain_monitor(0)
+            if self._connected:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._drain_monitor(remaining)
+            if self._connected:
+                return True
+
+    def generate(self, prompt: str | None = None, **options: Unpack[GenerateOptions]) -> Completion:
+        """Run one request to the end and return it whole. Raises HimambaError on an ErrorReply."""
+        req = make_request(prompt, stream=False, **options)
+        builder = CompletionBuilder(req.rid)
+        for chunk in self._run(req):
+            builder.add(chunk)
+        return builder.build()
+
+    def stream(
+        self, prompt: str | None = None, **options: Unpack[GenerateOptions]
+    ) -> Generator[GenerateChunk, None, None]:
+        """Send a request now; iterate its chunks (deltas). Closing the iterator early aborts it."""
+        req = make_request(prompt, stream=True, **options)
+        return self._run(req)
+
+    def abort(self, rid: str) -> None:
+        """Ask the server to abort `rid`; its stream then ends with finish_reason "abort"."""
+        self._send(AbortGenerate(rid=rid))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ machinery
+
+    def _send(self, msg: GenerateRequest | AbortGenerate) -> None:
+        if self._closed:
+            raise RuntimeError("client is closed")
+        self._sock.send(self._encoder.encode(msg))
+
+    def _run(self, req: GenerateRequest) -> Generator[GenerateChunk, None, None]:
+        if req.rid in self._pending:
+            raise ValueError(f"rid {req.rid!r} is already in flight on this client")
+        self._pending[req.rid] = collections.deque()
+        self._send(req)
+        return self._iterate(req.rid)
+
+    def _iterate(self, rid: str) -> Generator[GenerateChunk, None, None]:
+        done = False
+        try:
+            while True:
+                reply = self._next_reply(rid)
+                if isinstance(reply, ErrorReply):
+                    done = True
+                chunk = _raise_if_error(reply)
+                if chunk.finished:
+                    done = True
+                yield chunk
+                if done:
+                    return
+        finally:
+            self._pending.pop(rid, None)
+            if not done and not self._closed:
+                self._send(AbortGenerate(rid=rid))
+
+    def _next_reply(self, rid: str) -> ClientReply:
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        queue = self._pending[rid]
+        while not queue:
+            wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            if not self._sock.poll(wait_ms):
+                raise TimeoutError(f"no reply for {rid!r} from {self.endpoint} within {self.timeout_s}s")
+            self._route(self._sock.recv())
+        return queue.popleft()
+
+    def _route(self, payload: bytes) -> None:
+        try:
+            reply = self._decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            _log.warning("dropped an undecodable reply: %s", e)
+            return
+        if reply.rid in self._pending:
+            self._pending[reply.rid].append(reply)
+        elif isinstance(reply, ErrorReply) and not reply.rid:
+            # The server could not read one of our messages and cannot say which: fail them all.
+            for queue in self._pending.values():
+                queue.append(reply)
+        # else: a late reply for a request given up on (abort, closed iterator)
+
+    def _drain_monitor(self, timeout_s: float) -> None:
+        if self._monitor.poll(int(timeout_s * 1000)):
+            while self._monitor.poll(0):
+                state = _connection_event(self._monitor.recv_multipart())
+                if state is not None:
+                    self._connected = state
+
+
+class AsyncClient:
+    """asyncio client on one DEALER connection; any number of concurrent requests (routed by rid)."""
+
+    def __init__(self, endpoint: str | None = None, timeout_s: float | None = 600):
+        self.endpoint = _default_endpoint(endpoint)
+        self.timeout_s = timeout_s
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self._sock.connect(self.endpoint)
+        self._connected = False
+        self._decoder = msgspec.msgpack.Decoder(ClientReply)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._queues: dict[str, asyncio.Queue[ClientReply]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------ public
+
+    async def wait_connected(self, timeout_s: float = 3.0) -> bool:
+        """Whether a server is there: True once the connection handshake succeeded within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while not self._connected:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not await self._monitor.poll(int(remaining * 1000)):
+                return self._connected
+            state = _connection_event(await self._monitor.recv_multipart())
+            if state is not None:
+                self._connected = state
+        return True
+
+    async def generate(self, prompt: str | None = None, **options: Unpack[GenerateOptions]) -> Completion:
+        """Run one request to the end and return it whole. Raises HimambaError on an ErrorReply."""
+        req = make_request(prompt, stream=False, **options)
+        builder = CompletionBuilder(req.rid)
+        async with contextlib.aclosing(self._run(req)) as chunks:
+            async for chunk in chunks:
+                builder.add(chunk)
+        return builder.build()
+
+    async def stream(
+        self, prompt: str | None = None, **options: Unpack[GenerateOptions]
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        """Yield the chunks (deltas) of a new request. Leaving the loop early aborts it."""
+        req = make_request(prompt, stream=True, **options)
+        async with contextlib.aclosing(self._run(req)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def abort(self, rid: str) -> None:
+        """Ask the server to abort `rid`; its stream then ends with finish_reason "abort"."""
+        await self._send(AbortGenerate(rid=rid))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._reader is not None:
+            self._reader.cancel()
+        for queue in self._queues.values():
+            queue.put_nowait(ErrorReply(message="client closed", code=_CLOSED_CODE))
+        try:
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def aclose(self) -> None:
+        """Close, and wait for the reply reader to end (no pending task is left behind)."""
+        reader = self._reader
+        self.close()
+        if reader is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------ machinery
+
+    async def _send(self, msg: GenerateRequest | AbortGenerate) -> None:
+        if self._closed:
+            raise RuntimeError("client is closed")
+        await self._sock.send(self._encoder.encode(msg))
+
+    async def _run(self, req: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
+        if req.rid in self._queues:
+            raise ValueError(f"rid {req.rid!r} is already in flight on this client")
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop(), name="himamba-client-reader")
+        queue: asyncio.Queue[ClientReply] = asyncio.Queue()
+        self._queues[req.rid] = queue
+        done = False
+        try:
+            await self._send(req)
+            while True:
+                try:
+                    reply = await asyncio.wait_for(queue.get(), self.timeout_s)
+                except asyncio.TimeoutError:
+                    msg = f"no reply for {req.rid!r} from {self.endpoint} within {self.timeout_s}s"
+                    raise TimeoutError(msg) from None
+                if isinstance(reply, ErrorReply):
+                    done = True
+                chunk = _raise_if_error(reply)
+                done = done or chunk.finished
+                yield chunk
+                if done:
+                    return
+        finally:
+            self._queues.pop(req.rid, None)
+            if not done and not self._closed:
+                await self._send(AbortGenerate(rid=req.rid))
+
+    async def _read_loop(self) -> None:
+        while True:
+            payload = await self._sock.recv()
+            try:
+                reply = self._decoder.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                _log.warning("dropped an undecodable reply: %s", e)
+                continue
+            queue = self._queues.get(reply.rid)
+            if queue is not None:
+                queue.put_nowait(reply)
+            elif isinstance(reply, ErrorReply) and not reply.rid:
+                # The server could not read one of our messages and cannot say which: fail them all.
+                for q in self._queues.values():
+                    q.put_nowait(reply)

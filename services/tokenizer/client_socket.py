@@ -1,0 +1,115 @@
+"""The ROUTER socket clients talk to, with prompt notice of clients that went away.
+
+Frames are `[identity, payload]` both ways. A vanished client is noticed two ways:
+- ROUTER_MANDATORY makes a send to it fail (EHOSTUNREACH) instead of dropping silently;
+- a socket monitor reports each DISCONNECTED connection by file descriptor, and every received
+  message tells (ZMQ_SRCFD) which descriptor it came through, so a descriptor maps to a client.
+  ZMQ_ROUTER_NOTIFY would say this directly, but it is a draft option that the libzmq bundled
+  with pyzmq rejects (EINVAL), so it is not used.
+
+Descriptors are reused by the kernel. Monitor events are drained before each client message is
+returned: libzmq emits a connection's DISCONNECTED before closing its descriptor, so any event
+for the old owner of a descriptor is seen before a message from a new owner of it.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, NamedTuple
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+
+class ClientMessage(NamedTuple):
+    """A message from a client: its identity and the frames after it (normally one payload)."""
+
+    identity: bytes
+    frames: list[Any]
+
+
+class ClientGone(NamedTuple):
+    """A client's connection closed: its requests should be aborted."""
+
+    identity: bytes
+
+
+class ClientSocket:
+    """A bound ROUTER on the actor's context; `recv()` yields messages and departures."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str):
+        self.endpoint = endpoint
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.LINGER, 0)
+        # Unbounded send queue: with ROUTER_MANDATORY a full queue would block the whole front door
+        # on one slow reader; a client's queue is bounded by its requests' outputs anyway.
+        self.router.setsockopt(zmq.SNDHWM, 0)
+        self.monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.router.bind(endpoint)
+        self._poller = zmq.asyncio.Poller()
+        self._poller.register(self.router, zmq.POLLIN)
+        self._poller.register(self.monitor, zmq.POLLIN)
+        self._fd_owner: dict[int, bytes] = {}
+        self._gone: collections.deque[bytes] = collections.deque()
+
+    async def recv(self) -> ClientMessage | ClientGone:
+        """The next client message, or the next client that disconnected."""
+        while True:
+            await self._drain_monitor()
+            if self._gone:
+                return ClientGone(self._gone.popleft())
+            try:
+                frames = await self.router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                await self._poller.poll()
+                continue
+            identity = frames[0].bytes
+            fd = _source_fd(frames[0])
+            if fd is not None:
+                self._fd_owner[fd] = identity
+            return ClientMessage(identity, list(frames[1:]))
+
+    async def send(self, identity: bytes, payload: bytes) -> bool:
+        """Send one reply; False when the client is gone (it is then reported by `recv` too)."""
+        try:
+            await self.router.send_multipart([identity, payload], copy=False)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self._forget(identity)
+            return False
+        return True
+
+    def _forget(self, identity: bytes) -> None:
+        for fd, owner in list(self._fd_owner.items()):
+            if owner == identity:
+                del self._fd_owner[fd]
+
+    async def _drain_monitor(self) -> None:
+        while True:
+            try:
+                raw = await self.monitor.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = parse_monitor_message(raw)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                owner = self._fd_owner.pop(int(event["value"]), None)
+                if owner is not None:
+                    self._gone.append(owner)
+
+    def close(self) -> None:
+        try:
+            self.router.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(linger=0)
+        self.router.close(linger=0)
+
+
+def _source_fd(frame: Any) -> int | None:
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return None

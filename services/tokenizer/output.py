@@ -1,0 +1,126 @@
+"""One request's output as the client sees it: token ids in, text chunks out.
+
+Chains the incremental detokenizer and the stop-string matcher, keeps the usage counters, and
+builds the `GenerateChunk`s: a delta per scheduler output when streaming, one whole answer at
+the end otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from tokenizers import Tokenizer
+
+from himamba.common.messages import GenerateChunk, TokenOut
+from himamba.common.types import CachedTokens, FinishReason, Usage
+from himamba.services.tokenizer.detokenize import IncrementalDetokenizer
+from himamba.services.tokenizer.stop import StopMatcher
+
+
+class OutputStep(NamedTuple):
+    """The result of one scheduler output for this request."""
+
+    chunk: GenerateChunk | None  # what to send the client now, if anything
+    finished: bool  # the request is over for the client
+    stop_string_hit: bool  # a stop string completed: the scheduler must be told to stop
+
+
+class RequestOutput:
+    """Turns the scheduler's TokenOuts of one request into client chunks."""
+
+    def __init__(
+        self,
+        client_rid: str,
+        tokenizer: Tokenizer,
+        *,
+        stream: bool,
+        stops: list[str],
+        prompt_len: int,
+        prompt_token_ids: list[int] | None = None,
+    ):
+        self.client_rid = client_rid
+        self._stream = stream
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stop = StopMatcher(stops)
+        self._prompt_len = prompt_len
+        self._prompt_token_ids = prompt_token_ids  # sent once, on the first chunk
+        self._completion_tokens = 0
+        self._cached = CachedTokens()
+        self._text: list[str] = []  # whole answer, for stream=False
+        self._ids: list[int] = []
+        self._logprobs: list[float] | None = None
+
+    def on_token_out(self, out: TokenOut) -> OutputStep:
+        """Absorb one scheduler output (its error field is the caller's business)."""
+        if out.cached is not None:
+            self._cached = out.cached
+        if out.prompt_tokens:
+            self._prompt_len = out.prompt_tokens
+        self._ids.extend(out.token_ids)
+        self._completion_tokens = max(out.completion_tokens, len(self._ids))
+        if out.logprobs is not None:
+            self._logprobs = (self._logprobs or []) + list(out.logprobs)
+
+        result = self._stop.feed(self._detok.add(out.token_ids))
+        text = result.emit
+        if result.stopped:
+            # Only a still-running request needs a StopRequest; one the scheduler finished has stopped.
+            step_chunk = self._final(text, out, "stop")
+            return OutputStep(step_chunk, True, out.finish_reason is None)
+        if out.finish_reason is not None:
+            tail = self._stop.feed(self._detok.flush())
+            text += tail.emit
+            reason: FinishReason = "stop" if tail.stopped else out.finish_reason
+            if not tail.stopped:
+                text += self._stop.flush()
+            return OutputStep(self._final(text, out, reason), True, False)
+        if not self._stream:
+            self._text.append(text)
+            return OutputStep(None, False, False)
+        if not text and not out.token_ids:
+            return OutputStep(None, False, False)
+        return OutputStep(self._chunk(text, out.token_ids, out.logprobs), False, False)
+
+    def finish(self, reason: FinishReason) -> GenerateChunk:
+        """End the request now (client abort): release held text, build the final chunk."""
+        tail = self._stop.feed(self._detok.flush())
+        text = tail.emit + self._stop.flush()
+        return self._final_chunk(text, [], None, reason)
+
+    def _final(self, text: str, out: TokenOut, reason: FinishReason) -> GenerateChunk:
+        return self._final_chunk(text, out.token_ids, out.logprobs, reason)
+
+    def _final_chunk(
+        self, text: str, new_ids: list[int], new_logprobs: list[float] | None, reason: FinishReason
+    ) -> GenerateChunk:
+        usage = Usage(
+            prompt_tokens=self._prompt_len,
+            completion_tokens=self._completion_tokens,
+            cached_tokens=self._cached,
+        )
+        if self._stream:
+            return self._chunk(text, new_ids, new_logprobs, finished=True, reason=reason, usage=usage)
+        self._text.append(text)
+        return self._chunk("".join(self._text), self._ids, self._logprobs, finished=True, reason=reason, usage=usage)
+
+    def _chunk(
+        self,
+        text: str,
+        ids: list[int],
+        logprobs: list[float] | None,
+        *,
+        finished: bool = False,
+        reason: FinishReason | None = None,
+        usage: Usage | None = None,
+    ) -> GenerateChunk:
+        prompt_ids, self._prompt_token_ids = self._prompt_token_ids, None
+        return GenerateChunk(
+            rid=self.client_rid,
+            text=text,
+            token_ids=list(ids),
+            finished=finished,
+            finish_reason=reason,
+            usage=usage,
+            logprobs=None if logprobs is None else list(logprobs),
+            prompt_token_ids=prompt_ids,
+        )

@@ -1,0 +1,57 @@
+"""Check a client's GenerateRequest and turn it into what the scheduler needs (token ids, budget)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from tokenizers import Tokenizer
+
+from himamba.common.messages import GenerateRequest
+
+
+class PreparedRequest(NamedTuple):
+    """A request that passed every check."""
+
+    input_ids: list[int]
+    max_tokens: int  # resolved against the server default and the room left in the context
+    prompt_was_text: bool  # then the first chunk carries the prompt's token ids
+
+
+class RequestLimits(NamedTuple):
+    vocab_size: int
+    max_context_len: int
+    default_max_tokens: int
+
+
+def prepare_request(req: GenerateRequest, tokenizer: Tokenizer, limits: RequestLimits) -> PreparedRequest:
+    """Validate `req` and tokenize its prompt; raise ValueError naming the offending field."""
+    if (req.prompt is None) == (req.input_ids is None):
+        raise ValueError("exactly one of prompt and input_ids must be given")
+    if req.prompt is not None:
+        if not req.prompt:
+            raise ValueError("prompt must be non-empty")
+        # add_special_tokens=True applies the tokenizer's post-processor (e.g. a BOS) when it has one.
+        input_ids = tokenizer.encode(req.prompt, add_special_tokens=True).ids
+        if not input_ids:
+            raise ValueError("prompt tokenizes to no tokens")
+    else:
+        assert req.input_ids is not None
+        input_ids = list(req.input_ids)
+        if not input_ids:
+            raise ValueError("input_ids must be non-empty")
+        for i, t in enumerate(input_ids):
+            if not (0 <= t < limits.vocab_size):
+                raise ValueError(f"input_ids[{i}] = {t} is out of range [0, {limits.vocab_size})")
+    sampling = req.sampling
+    sampling.validate(limits.max_context_len)
+    for t in sampling.stop_token_ids:
+        if t >= limits.vocab_size:
+            raise ValueError(f"stop_token_ids: {t} is out of range [0, {limits.vocab_size})")
+    prompt_len = len(input_ids)
+    if prompt_len + 1 > limits.max_context_len:
+        raise ValueError(
+            f"prompt has {prompt_len} tokens; max_context_len {limits.max_context_len} leaves no room to generate"
+        )
+    wanted = sampling.max_tokens if sampling.max_tokens is not None else limits.default_max_tokens
+    max_tokens = min(wanted, limits.max_context_len - prompt_len)
+    return PreparedRequest(input_ids, max_tokens, req.prompt is not None)

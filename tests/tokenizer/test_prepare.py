@@ -1,0 +1,59 @@
+"""prepare_request: validation names the field; max_tokens is resolved against the context."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer
+
+from himamba.common.messages import GenerateRequest
+from himamba.common.types import SamplingParams
+from himamba.services.tokenizer.prepare import RequestLimits, prepare_request
+
+LIMITS = RequestLimits(vocab_size=2048, max_context_len=100, default_max_tokens=16)
+
+
+def test_text_prompt_is_tokenized_without_added_special_tokens(demo_tokenizer: Tokenizer) -> None:
+    p = prepare_request(GenerateRequest(prompt="def f(x):"), demo_tokenizer, LIMITS)
+    assert p.input_ids == demo_tokenizer.encode("def f(x):", add_special_tokens=False).ids
+    assert p.prompt_was_text
+    assert p.max_tokens == 16
+
+
+def test_max_tokens_is_capped_by_the_room_left(demo_tokenizer: Tokenizer) -> None:
+    ids = list(range(1, 91))
+    p = prepare_request(GenerateRequest(input_ids=ids, sampling=SamplingParams(max_tokens=50)), demo_tokenizer, LIMITS)
+    assert p.max_tokens == 10
+    assert p.input_ids == ids and not p.prompt_was_text
+    p = prepare_request(GenerateRequest(input_ids=[1], sampling=SamplingParams(max_tokens=5)), demo_tokenizer, LIMITS)
+    assert p.max_tokens == 5
+
+
+@pytest.mark.parametrize(
+    ("req", "needle"),
+    [
+        (GenerateRequest(), "exactly one of prompt and input_ids"),
+        (GenerateRequest(prompt="a", input_ids=[1]), "exactly one of prompt and input_ids"),
+        (GenerateRequest(prompt=""), "prompt must be non-empty"),
+        (GenerateRequest(input_ids=[]), "input_ids must be non-empty"),
+        (GenerateRequest(input_ids=[3, 2048]), "input_ids[1] = 2048"),
+        (GenerateRequest(input_ids=[-5]), "input_ids[0] = -5"),
+        (GenerateRequest(input_ids=[1] * 100), "max_context_len 100"),
+        (GenerateRequest(prompt="a", sampling=SamplingParams(temperature=-1.0)), "temperature"),
+        (GenerateRequest(prompt="a", sampling=SamplingParams(max_tokens=101)), "max_tokens"),
+        (GenerateRequest(prompt="a", sampling=SamplingParams(stop=[""])), "stop"),
+        (GenerateRequest(prompt="a", sampling=SamplingParams(stop_token_ids=[4096])), "stop_token_ids"),
+        (GenerateRequest(prompt="a", sampling=SamplingParams(n=2)), "n must be 1"),
+    ],
+)
+def test_bad_requests_raise_value_error_naming_the_field(
+    demo_tokenizer: Tokenizer, req: GenerateRequest, needle: str
+) -> None:
+    with pytest.raises(ValueError) as info:
+        prepare_request(req, demo_tokenizer, LIMITS)
+    assert needle in str(info.value)
+
+
+def test_a_prompt_that_fills_the_context_is_refused(demo_tokenizer: Tokenizer) -> None:
+    prompt = "x = 1\n" * 200
+    with pytest.raises(ValueError, match="leaves no room"):
+        prepare_request(GenerateRequest(prompt=prompt), demo_tokenizer, LIMITS)
