@@ -15,39 +15,13 @@ import warnings
 from multiprocessing import resource_tracker, shared_memory
 from typing import NamedTuple
 
-import msgspec
 import torch
+
+from himamba.common.host_layout import HostPoolLayout, StateComponentLayout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-class StateComponentLayout(msgspec.Struct, frozen=True, array_like=True):
-    layer: int
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    offset: int  # bytes from the start of a slot
-
-
-class HostPoolLayout(msgspec.Struct, frozen=True, kw_only=True):
-    """Shapes and shared-memory names of the host pools (carried in WorkerInfo)."""
-
-    kv_name: str = ""
-    num_pages: int = 0
-    page_size: int = 1
-    num_kv_layers: int = 0
-    num_kv_heads: int = 0
-    head_dim: int = 0
-    kv_dtype: str = "float32"
-    state_name: str = ""
-    num_slots: int = 0
-    state_components: list[StateComponentLayout] = []
-    state_slot_bytes: int = 0
-
-    @property
-    def page_bytes(self) -> int:
-        itemsize = _DTYPES[self.kv_dtype].itemsize
-        return 2 * self.num_kv_layers * self.page_size * self.num_kv_heads * self.head_dim * itemsize
+__all__ = ["HostPoolLayout", "HostPools", "StateComponentLayout", "open_host_pools"]
 
 
 class HostPools(NamedTuple):

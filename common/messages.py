@@ -14,6 +14,7 @@ from typing import Literal, Union
 
 import msgspec
 
+from himamba.common.host_layout import HostPoolLayout
 from himamba.common.types import CachedTokens, FinishReason, SamplingParams, Usage
 
 
@@ -192,6 +193,7 @@ class WorkerInfo(Message):
     num_host_state_slots: int
     model_name: str
     random_weights: bool = False
+    host_layout: HostPoolLayout = HostPoolLayout()
 
 
 # ---------------------------------------------------------------- scheduler <-> cache controller
@@ -348,9 +350,24 @@ class Shutdown(Message):
     reason: str = ""
 
 
+# ---------------------------------------------------------------- metrics (services -> tokenizer)
+
+
+class MetricsReport(Message):
+    """A service's whole Prometheus exposition (text format), sent every few seconds.
+
+    The tokenizer serves its own metrics plus the latest report of each other service at
+    `/metrics`; every metric family is owned by exactly one service, so none repeats. A report
+    also says its sender is alive and ready (services start reporting once ready).
+    """
+
+    service: str
+    text: str
+
+
 # ---------------------------------------------------------------- one union per inbox
 
-ToTokenizer = Union[TokenBatch, WorkerInfo, Shutdown]
+ToTokenizer = Union[TokenBatch, WorkerInfo, Ready, MetricsReport, Shutdown]
 ToScheduler = Union[AddRequest, AbortRequest, StopRequest, BatchDone, CacheStepDone, WorkerInfo, Shutdown]
 ToWorker = Union[RunBatch, ResetState, Shutdown]
 ToCache = Union[CacheStep, TransfersDone, WorkerInfo, GetCacheStats, Shutdown]

@@ -19,8 +19,9 @@ class BatchPlan(NamedTuple):
 
 
 def pick_batch(running: list[Req], chunk_budget: int, last_mode: str | None) -> BatchPlan | None:
-    prefill = [r for r in running if r.remaining > 1]
-    decode = [r for r in running if r.remaining == 1]
+    # Decode steps extend an existing context by one token; anything else is a prefill.
+    prefill = [r for r in running if r.remaining > 1 or r.computed_len == 0]
+    decode = [r for r in running if r.remaining == 1 and r.computed_len > 0]
     if not prefill and not decode:
         return None
     use_prefill = bool(prefill) and (not decode or last_mode != "prefill")

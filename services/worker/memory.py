@@ -18,6 +18,8 @@ from himamba.services.worker.pools import KVSpec, StateSpec
 class PoolPlan(NamedTuple):
     num_pages: int
     num_state_slots: int
+    num_host_pages: int
+    num_host_state_slots: int
     budget_bytes: int
 
 
@@ -53,4 +55,13 @@ def plan_pools(cfg: Config, kv: KVSpec, state: StateSpec, device: torch.device) 
         slots = s.max_running_requests + 1  # pure-attention model: slots are bookkeeping only
     else:
         slots = min(max_useful_slots, int(budget * 0.4) // state_bytes)
-    return PoolPlan(num_pages=max(pages, 1), num_state_slots=max(slots, 1), budget_bytes=budget)
+    pages, slots = max(pages, 1), max(slots, 1)
+    host_pages = host_slots = 0
+    if c.enable_hierarchical_cache and not c.disable_radix_cache:
+        # Host sizes are independent of each other (a Mamba state is worth thousands of tokens
+        # of KV, so sizing the host state pool like the KV pool wastes memory: sglang #29034).
+        host_pages = -(-c.hicache_tokens // c.page_size) if c.hicache_tokens else 2 * pages
+        host_slots = c.hicache_mamba_slots if c.hicache_mamba_slots else 2 * slots
+        if state.num_layers == 0:
+            host_slots = 0
+    return PoolPlan(pages, slots, host_pages, host_slots, budget)

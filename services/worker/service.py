@@ -27,6 +27,7 @@ from himamba.common.messages import (
 from himamba.common.transport import Outbox
 from himamba.common.wire import WireError, tensor_ref
 from himamba.services.actor import Actor
+from himamba.services.worker.host_transfer import HostTransfer, host_layout
 from himamba.services.worker.loader import load_model
 from himamba.services.worker.memory import plan_pools
 from himamba.services.worker.pools import KVPool, StatePool
@@ -69,6 +70,8 @@ class WorkerService(Actor[ToWorker]):
         self.page_size = cfg.cache.page_size
         self.kv = KVPool(kv_spec, plan.num_pages, self.page_size, self.device)
         self.state = StatePool(state_spec, plan.num_state_slots, self.device)
+        layout = host_layout(self.kv, self.state, plan.num_host_pages, plan.num_host_state_slots)
+        self.host = HostTransfer(self.kv, self.state, layout, self.device)
         config = json.loads((model_dir / "config.json").read_text())
         self.info = WorkerInfo(
             vocab_size=self.model.vocab_size,
@@ -79,10 +82,11 @@ class WorkerService(Actor[ToWorker]):
             state_bytes_per_slot=state_spec.bytes_per_slot(),
             num_pages=plan.num_pages,
             num_state_slots=plan.num_state_slots,
-            num_host_pages=0,
-            num_host_state_slots=0,
+            num_host_pages=plan.num_host_pages,
+            num_host_state_slots=plan.num_host_state_slots,
             model_name=cfg.model.served_model_name or model_dir.name,
             random_weights=bool(config.get("himamba_random_weights", False)),
+            host_layout=layout,
         )
         for peer in (self.scheduler, self.cache, self.tokenizer):
             await peer.send(self.info)
@@ -92,7 +96,8 @@ class WorkerService(Actor[ToWorker]):
             f"model {model_dir.name} loaded in {time.perf_counter() - t0:.1f}s; "
             f"KV {plan.num_pages} pages x {self.page_size} tokens "
             f"({plan.num_pages * self.page_size * kv_spec.bytes_per_token() / 2**20:.1f} MiB), "
-            f"{plan.num_state_slots} state slots ({plan.num_state_slots * state_spec.bytes_per_slot() / 2**20:.1f} MiB)"
+            f"{plan.num_state_slots} state slots ({plan.num_state_slots * state_spec.bytes_per_slot() / 2**20:.1f} MiB); "
+            f"host {plan.num_host_pages} pages, {plan.num_host_state_slots} state slots"
         )
 
     async def handle(self, msg: ToWorker, frames: list[Any]) -> None:
@@ -129,10 +134,14 @@ class WorkerService(Actor[ToWorker]):
             await self.cache.send(TransfersDone(op_ids=done_ops))
 
     def run_transfers(self, msg: RunBatch) -> list[int]:
-        """Device<->host copies; the host tier arrives with the tiered cache."""
-        if msg.transfers:
-            raise ValueError("this worker has no host pools")
-        return []
+        """Device<->host copies ordered by the cache controller, before this batch's forward."""
+        for t in msg.transfers:
+            self.host.run(t)
+        return [t.op_id for t in msg.transfers]
+
+    async def stop(self) -> None:
+        if hasattr(self, "host"):
+            self.host.close()
 
     @torch.inference_mode()
     def forward(self, msg: RunBatch, frames: list[Any]) -> tuple[BatchDone, list[torch.Tensor]]:
