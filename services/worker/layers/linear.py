@@ -1,0 +1,31 @@
+"""A dense projection whose weights are allocated but not initialised (the checkpoint fills them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """y = x @ weight.T (+ bias); weight [out, in] as in HF checkpoints.
+
+    Unlike `torch.nn.Linear` nothing is initialised: building a large model must not spend time on
+    random numbers that `load_weights` overwrites (it rejects a model with any weight left unloaded).
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, device=device, dtype=dtype), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
