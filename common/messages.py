@@ -224,7 +224,6 @@ class Admitted(Message):
     branch_len: int = 0  # page-aligned KV match past the cached state
     # (context position, slot): capture the state there during the prefill, then Insert it.
     captures: list[tuple[int, int]] = []
-    transfers: list[Transfer] = []
 
 
 class Extend(Message):
@@ -238,7 +237,6 @@ class Extended(Message):
     rid: str
     ok: bool
     new_pages: list[int] = []
-    transfers: list[Transfer] = []
 
 
 class AllocSlots(Message):
@@ -272,7 +270,6 @@ class Inserted(Message):
     rid: str
     pages: list[int] = []  # the canonical pages of the inserted prefix (re-point the page table)
     slot_used: bool = False
-    transfers: list[Transfer] = []
 
 
 class Release(Message):
@@ -285,7 +282,6 @@ class Release(Message):
 
 class Released(Message):
     rid: str
-    transfers: list[Transfer] = []
 
 
 CacheOp = Union[Admit, Extend, AllocSlots, FreeSlots, Insert, Release]
@@ -300,6 +296,9 @@ class CacheStep(Message):
 class CacheStepDone(Message):
     step_id: int
     results: list[CacheResult]
+    # Copy orders this step produced (backups, load-backs), in the order they must run:
+    # the scheduler attaches them to its next RunBatch, before that batch's forward.
+    transfers: list[Transfer] = []
 
 
 class TransfersDone(Message):

@@ -45,6 +45,16 @@ class RequestAlloc:
     receipt: Any = None  # the tree's LockReceipt for the shared prefix
 
 
+def _path_pages(node: Any) -> list[int]:
+    """Device pages of root..node (the whole path must be on device)."""
+    parts = []
+    while node.parent is not None:
+        assert node.device_pages is not None, f"node {node.id} is not on device"
+        parts.append(node.device_pages)
+        node = node.parent
+    return [p for part in reversed(parts) for p in part]
+
+
 class CacheController:
     """Answers the scheduler's Admit/Extend/Insert/Release; see the module docstring."""
 
@@ -74,8 +84,41 @@ class CacheController:
                 eviction_policy=cfg.eviction_policy,
             )
         self.requests: dict[str, RequestAlloc] = {}
-        self._next_op = 1
-        self.pending: dict[int, Any] = {}  # op_id -> tree op awaiting the worker's ack
+        self.pending: dict[int, Any] = {}  # op_id -> tree op (BackupOp | LoadOp) awaiting the worker's ack
+        self._transfers: list[Transfer] = []  # produced since the last take_transfers()
+
+    # ------------------------------------------------------------ copy orders
+
+    def _order_backups(self, ops: Any) -> None:
+        for op in ops:
+            self.pending[op.op_id] = op
+            self._transfers.append(
+                Transfer(op.op_id, "d2h", list(op.device_pages), list(op.host_pages), list(op.device_states), list(op.host_states))
+            )
+
+    def _order_load(self, op: Any) -> None:
+        self._order_backups(op.backups)  # room was made by write_back evictions: copy those first
+        self.pending[op.op_id] = op
+        self._transfers.append(
+            Transfer(op.op_id, "h2d", list(op.host_pages), list(op.device_pages), list(op.host_states), list(op.device_states))
+        )
+
+    def take_transfers(self) -> list[Transfer]:
+        """Copy orders produced by the ops applied since the last call, in execution order."""
+        out, self._transfers = self._transfers, []
+        return out
+
+    def transfers_done(self, op_ids: list[int]) -> None:
+        """The worker executed these orders: release what the tree protected for them."""
+        assert self.tree is not None or not op_ids
+        for op_id in op_ids:
+            op = self.pending.pop(op_id, None)
+            if op is None:
+                continue
+            if op.__class__.__name__ == "LoadOp":
+                self.tree.load_back_done(op)  # type: ignore[union-attr]
+            else:
+                self.tree.backup_done(op)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------ allocation with eviction
 
@@ -84,7 +127,7 @@ class CacheController:
             return []
         pages = self.device_kv.alloc(n)
         if pages is None and self.tree is not None:
-            self.tree.evict(n - self.device_kv.num_free)
+            self._order_backups(self.tree.evict(n - self.device_kv.num_free).backups)
             pages = self.device_kv.alloc(n)
         return pages
 
@@ -93,7 +136,7 @@ class CacheController:
             return []
         slots = self.device_state.alloc(n)
         if slots is None and self.tree is not None:
-            self.tree.evict_state(n - self.device_state.num_free)
+            self._order_backups(self.tree.evict_state(n - self.device_state.num_free).backups)
             slots = self.device_state.alloc(n)
         return slots
 
@@ -128,16 +171,23 @@ class CacheController:
         state_src: int | None = None
         branch_len = 0
         receipt = None
-        transfers: list[Transfer] = []
         cached = CachedTokens()
         if self.tree is not None and op.use_cache and len(tokens) > 1:
+            # At least one token must be computed to get logits: match all but the last.
             m = self.tree.match_prefix(tokens[: len(tokens) - 1])
-            if m.state_tier == "device" and m.host_len == 0:
-                cached_len = m.cached_len
-                shared = list(m.device_pages)
-                state_src = m.node.device_state
-                cached = CachedTokens(device=cached_len)
-                receipt = self.tree.lock(m.node)
+            self._order_backups(m.backups)
+            node, cached_len = m.device_node, m.device_cached_len
+            cached = CachedTokens(device=cached_len)
+            if m.state_tier == "host" or m.host_len > 0:
+                load = self.tree.load_back(m.node)
+                if load is not None:
+                    self._order_load(load)
+                    node, cached_len = m.node, m.cached_len
+                    cached = CachedTokens(device=m.device_len, host=m.cached_len - m.device_len)
+            if cached_len > 0:
+                receipt = self.tree.lock(node)
+                shared = _path_pages(node)
+                state_src = node.device_state
             if m.kv_match_len > cached_len:
                 branch_len = m.kv_match_len
         own = self._alloc_pages(need_pages - len(shared))
@@ -163,7 +213,6 @@ class CacheController:
             state_src=state_src,
             branch_len=branch_len,
             captures=captures,
-            transfers=transfers,
         )
 
     def _plan_captures(self, num_tokens: int, cached_len: int, branch_len: int) -> list[tuple[int, int]]:
@@ -217,15 +266,14 @@ class CacheController:
         if slot is not None and slot in req.slots:
             req.slots.remove(slot)
         res = self.tree.insert(tokens, req.pages[:n_pages], slot, locked_prefix_len=req.num_shared * self.page_size)
-        if slot is not None and not res.state_used:
-            self.device_state.free([slot])
+        self._order_backups(res.backups)
         return res
 
     def insert(self, op: Insert) -> Inserted:
         req = self.requests.get(op.rid)
         if req is None or self.tree is None or len(op.tokens) < self.page_size:
             return Inserted(rid=op.rid)
-        res = self._insert(req, op.tokens, op.slot)
+        res = self._insert(req, list(op.tokens), op.slot)
         n = len(res.pages)
         req.pages[:n] = res.pages
         # The request now relies on the inserted node: move its lock there.
@@ -244,8 +292,6 @@ class CacheController:
         if self.tree is not None and op.tokens and len(op.tokens) >= self.page_size:
             res = self._insert(req, op.tokens, op.slot)
             inserted_pages = len(res.pages)
-        elif op.slot is not None and op.slot in req.slots:
-            pass  # freed with the other slots below
         # Pages the tree now owns (shared prefix or just inserted) are not ours to free.
         first_own = max(req.num_shared, inserted_pages)
         self.device_kv.free(req.pages[first_own:])

@@ -65,9 +65,10 @@ class CacheService(Actor[ToCache]):
         match msg:
             case CacheStep(step_id=step_id, ops=ops):
                 results = [self.ctrl.apply(op) for op in ops]
-                await self.scheduler.send(CacheStepDone(step_id=step_id, results=results))
-            case TransfersDone():
-                pass
+                transfers = self.ctrl.take_transfers()
+                await self.scheduler.send(CacheStepDone(step_id=step_id, results=results, transfers=transfers))
+            case TransfersDone(op_ids=op_ids):
+                self.ctrl.transfers_done(op_ids)
             case GetCacheStats(reply_to=reply_to, check_invariants=check):
                 stats = self.ctrl.stats()
                 if check:

@@ -132,6 +132,7 @@ class SchedulerService(Actor[ToScheduler]):
     async def cache_step(self, ops: list[CacheOp]) -> list[Any]:
         step_id = next(self._ids)
         reply, _ = await self._call(self.cache, CacheStep(step_id=step_id, ops=ops), step_id)
+        self.pending_transfers.extend(reply.transfers)
         return list(reply.results)
 
     # ------------------------------------------------------------ the loop
@@ -191,7 +192,6 @@ class SchedulerService(Actor[ToScheduler]):
         admitted_any = False
         blocked = False
         for res in results:
-            self.pending_transfers.extend(getattr(res, "transfers", ()) or ())
             if isinstance(res, Admitted):
                 req = self.requests.get(res.rid)
                 if req is None or req.status != "waiting":
