@@ -1,32 +1,49 @@
-"""Compute kernels of the worker: causal conv, Mamba2 SSD scan, RMS norms and paged attention.
+"""Compute kernels of the worker: causal conv, Mamba2 SSD and Mamba1 selective scans, the gated delta
+rule, RMS norms, paged attention and MoE routing/experts.
 
 Import ops from here; `dispatch` picks the implementation for the given tensors.
 """
 
 from .dispatch import (
     ConvResult,
+    DeltaResult,
+    Routing,
     ScanResult,
     causal_conv1d,
     causal_conv1d_update,
+    chunk_gated_delta_rule,
     gated_rms_norm,
+    moe_experts,
+    moe_route,
     paged_attention_decode,
     paged_attention_prefill,
+    recurrent_gated_delta_rule_update,
     rms_norm,
+    selective_scan,
     selective_state_update,
+    selective_state_update_mamba1,
     ssd_scan,
     write_kv,
 )
 
 __all__ = [
     "ConvResult",
+    "DeltaResult",
+    "Routing",
     "ScanResult",
     "causal_conv1d",
     "causal_conv1d_update",
+    "chunk_gated_delta_rule",
     "gated_rms_norm",
+    "moe_experts",
+    "moe_route",
     "paged_attention_decode",
     "paged_attention_prefill",
+    "recurrent_gated_delta_rule_update",
     "rms_norm",
+    "selective_scan",
     "selective_state_update",
+    "selective_state_update_mamba1",
     "ssd_scan",
     "write_kv",
 ]

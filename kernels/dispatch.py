@@ -5,8 +5,9 @@ Every function here has the exact signature (and contract) of its reference in
 
 How a Triton (or other device) implementation plugs in:
   1. Put it in `kernels/triton/<family>.py` (a new package: add `himamba.kernels.triton` to
-     pyproject's `packages`) with the same signature and result types (`ConvResult`, `ScanResult`
-     from the reference files), importing triton lazily so CPU-only installs keep working.
+     pyproject's `packages`) with the same signature and result types (`ConvResult`, `ScanResult`,
+     `DeltaResult`, `Routing` from the reference files), importing triton lazily so CPU-only
+     installs keep working.
   2. Test it against the reference on random inputs under a GPU-only test.
   3. Here, branch on the inputs: `if x.is_cuda: return triton_impl(...)`, else fall through to
      the reference. Nothing else changes; the choice is made per call from the inputs only, so
@@ -19,9 +20,14 @@ from torch import Tensor
 
 from .reference import attention as _attention
 from .reference import conv1d as _conv1d
+from .reference import delta_rule as _delta_rule
+from .reference import moe as _moe
 from .reference import norm as _norm
+from .reference import selective_scan as _selective_scan
 from .reference import ssd as _ssd
 from .reference.conv1d import ConvResult
+from .reference.delta_rule import DeltaResult
+from .reference.moe import Routing
 from .reference.ssd import ScanResult
 
 
@@ -107,3 +113,92 @@ def paged_attention_decode(
 def write_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
     """Store new K/V at token slots of the layer's pool; see `reference.attention.write_kv`."""
     _attention.write_kv(k_cache, v_cache, slots, k, v)
+
+
+def selective_scan(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = True,
+    initial_state: Tensor | None = None,
+) -> ScanResult:
+    """Mamba1 selective scan (prefill); see `reference.selective_scan.selective_scan`."""
+    return _selective_scan.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state)
+
+
+def selective_state_update_mamba1(
+    state: Tensor,
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = True,
+) -> Tensor:
+    """One decode step of the Mamba1 recurrence, updating state in place; see `reference.selective_scan`."""
+    return _selective_scan.selective_state_update_mamba1(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+
+
+def chunk_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    chunk_size: int = 64,
+    initial_state: Tensor | None = None,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+) -> DeltaResult:
+    """Gated delta rule over a segment (prefill); see `reference.delta_rule.chunk_gated_delta_rule`."""
+    return _delta_rule.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, initial_state, use_qk_l2norm, scale)
+
+
+def recurrent_gated_delta_rule_update(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+) -> Tensor:
+    """One decode step of the gated delta rule, updating state in place; see `reference.delta_rule`."""
+    return _delta_rule.recurrent_gated_delta_rule_update(q, k, v, g, beta, state, use_qk_l2norm, scale)
+
+
+def moe_route(
+    router_logits: Tensor,
+    top_k: int,
+    scoring: str,
+    norm_topk_prob: bool,
+    bias: Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+    n_group: int = 1,
+    topk_group: int = 1,
+) -> Routing:
+    """Top-k expert choice and weights per token; see `reference.moe.moe_route`."""
+    return _moe.moe_route(
+        router_logits, top_k, scoring, norm_topk_prob, bias, routed_scaling_factor, n_group, topk_group
+    )
+
+
+def moe_experts(
+    x: Tensor,
+    routing: Routing,
+    gate_up_weights: Tensor,
+    down_weights: Tensor,
+    activation: str,
+    gated: bool = True,
+) -> Tensor:
+    """The routed experts' weighted feed-forward; see `reference.moe.moe_experts`."""
+    return _moe.moe_experts(x, routing, gate_up_weights, down_weights, activation, gated)

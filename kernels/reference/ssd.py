@@ -20,9 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .decay import segment_decay
+
 
 class ScanResult(NamedTuple):
-    """Outputs of a scan over a segment and the recurrent state after its last token."""
+    """Outputs of a scan over a segment and the recurrent state after its last token.
+
+    Shared by the Mamba2 scan (`ssd_scan`) and the Mamba1 scan (`selective_scan`); the shapes below
+    are Mamba2's, Mamba1's are y [Bt, L, D] and final_state [Bt, D, N].
+    """
 
     y: Tensor  # [Bt, L, H, P], dtype of x
     final_state: Tensor  # [Bt, H, P, N], float32 (or the dtype of the given initial state)
@@ -58,19 +64,6 @@ def _check_heads(
         if t is not None and tuple(t.shape) != (heads,):
             raise ValueError(f"{name} must be [H={heads}], got {tuple(t.shape)}")
     return heads // groups
-
-
-def _segment_decay(dA: Tensor) -> Tensor:
-    """exp(sum_{k=s+1..l} dA_k) for l >= s, 0 above the diagonal: [..., Q] -> [..., Q(l), Q(s)].
-
-    Summing the masked increments (rather than subtracting two cumulative sums) keeps the
-    exponent exact when the cumulative decay of a long chunk is large.
-    """
-    q = dA.shape[-1]
-    lower = torch.ones(q, q, dtype=torch.bool, device=dA.device).tril()
-    strictly_lower = lower.tril(-1)
-    seg = dA.unsqueeze(-1).expand(*dA.shape, q).masked_fill(~strictly_lower, 0.0).cumsum(-2)
-    return seg.exp().masked_fill(~lower, 0.0)
 
 
 def ssd_scan(
@@ -126,7 +119,7 @@ def ssd_scan(
     Cc = Cc.reshape(batch, chunks, q, groups, state_size)
     dA = dA.reshape(batch, chunks, q, heads).transpose(2, 3)  # [b, c, h, l]
 
-    decay = _segment_decay(dA)  # [b, c, h, l, s]
+    decay = segment_decay(dA)  # [b, c, h, l, s]
     decay_from_start = dA.cumsum(-1).exp()  # [b, c, h, l]: exp(sum_{k<=l} dA_k)
     decay_to_end = decay[..., -1, :]  # [b, c, h, s]: exp(sum_{k>s} dA_k)
     chunk_decay = decay_from_start[..., -1].view(batch, chunks, groups, rep)

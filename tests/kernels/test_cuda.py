@@ -8,11 +8,17 @@ import torch
 from himamba.kernels import (
     causal_conv1d,
     causal_conv1d_update,
+    chunk_gated_delta_rule,
     gated_rms_norm,
+    moe_experts,
+    moe_route,
     paged_attention_decode,
     paged_attention_prefill,
+    recurrent_gated_delta_rule_update,
     rms_norm,
+    selective_scan,
     selective_state_update,
+    selective_state_update_mamba1,
     ssd_scan,
     write_kv,
 )
@@ -84,3 +90,49 @@ def test_paged_attention_on_cuda() -> None:
     cpu = paged_attention_decode(q[:4], k_cache, v_cache, table, lens, 0.125)
     gpu = paged_attention_decode(q[:4].to(CUDA), gk, gv, table.to(CUDA), lens.to(CUDA), 0.125)
     torch.testing.assert_close(gpu.cpu(), cpu, **TOL)
+
+
+def test_gated_delta_rule_on_cuda() -> None:
+    q, k = rand(2, 70, 2, 16, seed=1), rand(2, 70, 2, 16, seed=2)
+    v = rand(2, 70, 4, 8, seed=3)
+    g, beta = -rand(2, 70, 4, seed=4).abs(), rand(2, 70, 4, seed=5).sigmoid()
+    init = rand(2, 4, 16, 8, seed=6)
+    cpu = chunk_gated_delta_rule(q, k, v, g, beta, 32, init)
+    gpu = chunk_gated_delta_rule(*(t.to(CUDA) for t in (q, k, v, g, beta)), 32, init.to(CUDA))
+    torch.testing.assert_close(gpu.out.cpu(), cpu.out, **TOL)
+    torch.testing.assert_close(gpu.final_state.cpu(), cpu.final_state, **TOL)
+    state, gpu_state = cpu.final_state.clone(), gpu.final_state.clone()
+    out = recurrent_gated_delta_rule_update(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+    gout = recurrent_gated_delta_rule_update(*(t[:, 0].to(CUDA) for t in (q, k, v, g, beta)), gpu_state)
+    torch.testing.assert_close(gout.cpu(), out, **TOL)
+    torch.testing.assert_close(gpu_state.cpu(), state, **TOL)
+
+
+@pytest.mark.parametrize("channels", [8, 1024])  # chunked form and loop
+def test_selective_scan_on_cuda(channels: int) -> None:
+    u, delta, z = rand(2, 70, channels, seed=1), rand(2, 70, channels, seed=2), rand(2, 70, channels, seed=3)
+    A = -torch.exp(rand(channels, 16, seed=4))
+    B, C = rand(2, 70, 16, seed=5), rand(2, 70, 16, seed=6)
+    D, bias = rand(channels, seed=7), rand(channels, seed=8)
+    cpu = selective_scan(u, delta, A, B, C, D, z, bias)
+    gpu = selective_scan(*(t.to(CUDA) for t in (u, delta, A, B, C, D, z, bias)))
+    torch.testing.assert_close(gpu.y.cpu(), cpu.y, **TOL)
+    torch.testing.assert_close(gpu.final_state.cpu(), cpu.final_state, **TOL)
+    state, gpu_state = cpu.final_state.clone(), gpu.final_state.clone()
+    y = selective_state_update_mamba1(state, u[:, 0], delta[:, 0], A, B[:, 0], C[:, 0], D, z[:, 0], bias)
+    step = (u[:, 0], delta[:, 0], A, B[:, 0], C[:, 0], D, z[:, 0], bias)
+    gy = selective_state_update_mamba1(gpu_state, *(t.to(CUDA) for t in step))
+    torch.testing.assert_close(gy.cpu(), y, **TOL)
+    torch.testing.assert_close(gpu_state.cpu(), state, **TOL)
+
+
+def test_moe_on_cuda() -> None:
+    logits, x = rand(30, 16, seed=1), rand(30, 12, seed=2)
+    up, down = rand(16, 20, 12, seed=3), rand(16, 12, 10, seed=4)
+    bias = rand(16, seed=5)
+    cpu = moe_route(logits, 4, "sigmoid", True, bias, 2.5, 4, 2)
+    gpu = moe_route(logits.to(CUDA), 4, "sigmoid", True, bias.to(CUDA), 2.5, 4, 2)
+    assert torch.equal(gpu.experts.cpu(), cpu.experts)
+    torch.testing.assert_close(gpu.weights.cpu(), cpu.weights, **TOL)
+    out = moe_experts(x.to(CUDA), gpu, up.to(CUDA), down.to(CUDA), "silu")
+    torch.testing.assert_close(out.cpu(), moe_experts(x, cpu, up, down, "silu"), **TOL)

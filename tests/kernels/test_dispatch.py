@@ -8,7 +8,7 @@ import pytest
 
 import himamba.kernels as kernels
 from himamba.kernels import dispatch
-from himamba.kernels.reference import attention, conv1d, norm, ssd
+from himamba.kernels.reference import attention, conv1d, delta_rule, moe, norm, selective_scan, ssd
 
 REFERENCES = {
     "causal_conv1d": conv1d.causal_conv1d,
@@ -20,6 +20,18 @@ REFERENCES = {
     "paged_attention_prefill": attention.paged_attention_prefill,
     "paged_attention_decode": attention.paged_attention_decode,
     "write_kv": attention.write_kv,
+    "selective_scan": selective_scan.selective_scan,
+    "selective_state_update_mamba1": selective_scan.selective_state_update_mamba1,
+    "chunk_gated_delta_rule": delta_rule.chunk_gated_delta_rule,
+    "recurrent_gated_delta_rule_update": delta_rule.recurrent_gated_delta_rule_update,
+    "moe_route": moe.moe_route,
+    "moe_experts": moe.moe_experts,
+}
+RESULT_TYPES = {
+    "ConvResult": conv1d.ConvResult,
+    "ScanResult": ssd.ScanResult,
+    "DeltaResult": delta_rule.DeltaResult,
+    "Routing": moe.Routing,
 }
 
 
@@ -30,5 +42,6 @@ def test_dispatch_signature_equals_reference(name: str) -> None:
 
 
 def test_package_exports_every_op_and_result_type() -> None:
-    assert set(kernels.__all__) == set(REFERENCES) | {"ConvResult", "ScanResult"}
-    assert kernels.ConvResult is conv1d.ConvResult and kernels.ScanResult is ssd.ScanResult
+    assert set(kernels.__all__) == set(REFERENCES) | set(RESULT_TYPES)
+    for name, cls in RESULT_TYPES.items():
+        assert getattr(kernels, name) is cls
