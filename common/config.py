@@ -56,6 +56,7 @@ class SchedulerConfig(_Section):
     mamba_scheduler_strategy: Literal["no_buffer", "extra_buffer", "extra_buffer_lazy"] = "extra_buffer_lazy"
     mamba_track_interval: PositiveInt = 64
     disable_overlap: bool = False
+    debug_fail_lazy_alloc: bool = False  # test hook: every lazy track-slot allocation fails
 
 
 class CacheConfig(_Section):
@@ -77,6 +78,20 @@ class LogConfig(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
 
 
+class HttpConfig(_Section):
+    """The OpenAI-compatible HTTP front door (served by the tokenizer service) and /metrics."""
+
+    host: str = "127.0.0.1"  # loopback unless told otherwise: the API has no TLS of its own
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 30000  # 0: no HTTP server
+    api_key: str = ""  # "": no key; else clients send `Authorization: Bearer <key>` on /v1/*
+
+
+class MetricsConfig(_Section):
+    """How the services report their Prometheus metrics to the one scrape endpoint."""
+
+    report_interval_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 1.0
+
+
 class Config(_Section):
     """A whole server: every service reads the same tree."""
 
@@ -85,6 +100,8 @@ class Config(_Section):
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     log: LogConfig = LogConfig()
+    http: HttpConfig = HttpConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
 
 class ConfigError(ValueError):
@@ -100,9 +117,25 @@ def load(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | 
     for section, fields in (overrides or {}).items():
         raw.setdefault(section, {}).update(fields)
     try:
-        return msgspec.convert(raw, Config)
+        cfg = msgspec.convert(raw, Config)
     except msgspec.ValidationError as e:
         raise ConfigError(f"invalid config: {e}") from None
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field rules that a single field's type cannot say."""
+    s, c = cfg.scheduler, cfg.cache
+    if s.mamba_track_interval % c.page_size:
+        raise ConfigError(
+            f"scheduler.mamba_track_interval ({s.mamba_track_interval}) must be a multiple of "
+            f"cache.page_size ({c.page_size}): states are only reusable at page boundaries"
+        )
+    if s.chunked_prefill_size < c.page_size:
+        raise ConfigError(f"scheduler.chunked_prefill_size ({s.chunked_prefill_size}) must be >= cache.page_size ({c.page_size})")
+    if c.max_total_tokens and c.max_total_tokens < c.page_size:
+        raise ConfigError(f"cache.max_total_tokens ({c.max_total_tokens}) is smaller than one page ({c.page_size})")
 
 
 def to_toml_dict(cfg: Config) -> dict[str, Any]:

@@ -132,6 +132,9 @@ class SeqPlan(msgspec.Struct, frozen=True, array_like=True):
     captures: list[tuple[int, int]] = []  # (offset into the new tokens, destination slot)
     sampling: SamplingParams = SamplingParams()
     step: int = 0  # number of tokens generated so far (seeds the per-request sampler)
+    # Context tokens, sent only when a repetition/frequency/presence penalty is set.
+    history: list[int] = []
+    num_prompt: int = 0  # history[:num_prompt] is the prompt
 
 
 class Transfer(msgspec.Struct, frozen=True, array_like=True):

@@ -116,10 +116,21 @@ class Actor(Generic[M]):
             loop.add_signal_handler(sig, self.request_stop, f"signal {signal.Signals(sig).name}")
         try:
             self.inbox = Inbox(self.ctx, self._inbox_endpoint, self._inbox_type)
-            detail = await self.start()
+            # A stop request during a long start (model load, waiting for a peer) must not wait for it.
+            starting = asyncio.ensure_future(self.start())
+            stopping = asyncio.ensure_future(self._stopping.wait())
+            await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+                self._close()
+                return self._exit_code
+            stopping.cancel()
+            detail = starting.result()
         except Exception as e:
             self._fatal(f"{self.name} failed to start: {e!r}", e)
             await asyncio.sleep(0.3)  # let the Fatal report leave
+            self._close()
             return 1
         await self.control.send(Ready(service=self.name, pid=os.getpid(), detail=detail))
         self.log.info("ready%s", f" ({detail})" if detail else "")
@@ -133,10 +144,14 @@ class Actor(Generic[M]):
             await self.stop()
         except Exception as e:
             self.log.warning("error while stopping: %r", e)
+        self._close()
+        return self._exit_code
+
+    def _close(self) -> None:
         if self.inbox is not None:
             self.inbox.close()
+            self.inbox = None
         self.ctx.destroy(linger=200)
-        return self._exit_code
 
     async def _recv_loop(self) -> None:
         assert self.inbox is not None

@@ -218,10 +218,14 @@ class CacheController:
     def _plan_captures(self, num_tokens: int, cached_len: int, branch_len: int) -> list[tuple[int, int]]:
         """Where this prefill should checkpoint its state for the tree, each with a slot.
 
-        The branch point (where a cached KV path continues past the deepest cached state) and
-        the last whole page of the context. Best effort: no slot, no checkpoint.
+        The branch point (where a cached KV path continues past the deepest cached state), the
+        last whole page of the context (a follow-up turn continues from there) and the last page
+        boundary before the final token (the most an identical prompt can reuse, since one token
+        must always be computed; differs from the previous one when the length is page-aligned).
+        Best effort: no slot, no checkpoint.
         """
-        positions = {branch_len, num_tokens - num_tokens % self.page_size}
+        ps = self.page_size
+        positions = {branch_len, num_tokens - num_tokens % ps, (num_tokens - 1) - (num_tokens - 1) % ps}
         out = []
         for pos in sorted(p for p in positions if cached_len < p <= num_tokens and p > 0):
             slot = self._alloc_slots(1)

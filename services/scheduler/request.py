@@ -38,6 +38,13 @@ class Req:
     # Absolute context positions where the state must be captured, with the slot it goes to.
     pending_captures: list[tuple[int, int]] = field(default_factory=list)
     last_state_len: int = 0  # the longest prefix for which a state was given to the tree
+    # Decode-time tracking (mamba_track.py): slots holding tracked states, ping-pong index,
+    # the newest complete tracked state and where it was taken.
+    track_slots: list[int] = field(default_factory=list)
+    next_track: int = 0
+    newest_track_slot: int | None = None
+    last_track_len: int = 0
+    insert_ok: bool = True  # False after a lazy track allocation failed: release, do not insert
     cached: CachedTokens | None = None
     cached_reported: bool = False
     abort_requested: bool = False
@@ -69,3 +76,8 @@ class Req:
         self.computed_len = 0
         self.state_init = "zero"
         self.last_state_len = 0
+        self.track_slots = []
+        self.next_track = 0
+        self.newest_track_slot = None
+        self.last_track_len = 0
+        self.insert_ok = True

@@ -162,7 +162,13 @@ class WorkerService(Actor[ToWorker]):
             src = torch.tensor([f[0] for f in final], dtype=torch.int64, device=self.device)
             dst = torch.tensor([f[1] for f in final], dtype=torch.int64, device=self.device)
             self.state.copy(src, dst)
-        sampled = sample(logits, [s.sampling for s in msg.seqs], [s.step for s in msg.seqs])
+        sampled = sample(
+            logits,
+            [s.sampling for s in msg.seqs],
+            [s.step for s in msg.seqs],
+            [s.history for s in msg.seqs],
+            [s.num_prompt for s in msg.seqs],
+        )
         tensors: list[torch.Tensor] = []
         ref = None
         if msg.return_logits:

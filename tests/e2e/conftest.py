@@ -72,7 +72,10 @@ def himamba_command() -> list[str]:
 def start_server(model_dir: Path | str, log_dir: Path, *flags: str, ready_timeout_s: float = 180.0) -> Server:
     """Run `himamba serve` on `model_dir` with unique endpoints; wait for its ready line."""
     endpoints = unique_endpoints()
+    # HTTP off unless a test asks (several servers run side by side); one torch thread each.
     args = [*himamba_command(), "serve", "--model", str(model_dir), "--torch-threads", "1"]
+    if "--port" not in flags:
+        args += ["--port", "0"]
     for name, ep in endpoints.items():
         args += ["--" + name.replace("_", "-"), ep]
     args += list(flags)

@@ -74,7 +74,9 @@ def test_killing_the_worker_stops_the_server_naming_it(server_factory, model_dir
 
 @pytest.fixture(scope="module")
 def plain_server(server_factory, model_dir):
-    return server_factory(model_dir, "--disable-radix-cache", "--max-total-tokens", "2048", "--max-mamba-cache-size", "16")
+    return server_factory(
+        model_dir, "--disable-radix-cache", "--max-total-tokens", "2048", "--max-mamba-cache-size", "16", "--max-context-len", "2048"
+    )
 
 
 def test_malformed_message_gets_an_error_and_server_keeps_serving(plain_server):

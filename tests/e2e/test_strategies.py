@@ -1,0 +1,107 @@
+"""Mamba track-buffer strategies, lazy allocation failure, memory pressure and overlap, on
+running servers, against transformers' greedy tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from himamba.common.client import AsyncClient, Client
+from himamba.services.modelgen.checkpoint import make_checkpoint
+from tests.worker.hf_reference import greedy, load_reference
+
+VOCAB = 2048
+PAGE = 16
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_checkpoint("nemotron_h", tmp_path_factory.mktemp("m"), preset="tiny")
+
+
+@pytest.fixture(scope="module")
+def ref(model_dir):
+    return load_reference(model_dir)
+
+
+def _flags(strategy: str, *more: str) -> list[str]:
+    return [
+        "--mamba-scheduler-strategy", strategy, "--mamba-track-interval", str(PAGE),
+        "--max-total-tokens", "16384", "--max-mamba-cache-size", "48", *more,
+    ]
+
+
+def _conversation(endpoint: str, ref, turns: int = 4, seed: int = 3, new: int = 37, gen: int = 21):
+    """Run a conversation; check every turn against transformers; return per-turn (prompt_len, cached)."""
+    history: list[int] = []
+    seen = []
+    with Client(endpoint) as c:
+        for t in range(turns):
+            history = history + _tokens(new, seed * 100 + t)
+            out = c.generate(input_ids=history, max_tokens=gen, ignore_eos=True)
+            assert out.token_ids == greedy(ref, history, gen), f"turn {t}"
+            seen.append((len(history), out.usage.cached_tokens.total))
+            history = history + out.token_ids
+    return seen
+
+
+@pytest.mark.parametrize(
+    "strategy,extra",
+    [("extra_buffer", ["--disable-overlap"]), ("extra_buffer_lazy", []), ("no_buffer", [])],
+)
+def test_strategies_cache_generated_text_as_specified(server_factory, model_dir, ref, strategy, extra):
+    server = server_factory(model_dir, *_flags(strategy, *extra))
+    seen = _conversation(server.endpoint, ref)
+    prev_prompt = 0
+    for t, (prompt_len, cached) in enumerate(seen):
+        if t == 0:
+            assert cached == 0
+        elif strategy == "no_buffer":
+            assert 0 < cached <= prev_prompt  # only the previous prompt, never its generated text
+        else:
+            assert cached > prev_prompt  # the generated text of the previous turn was tracked
+        prev_prompt = prompt_len
+    stats = server.cache_stats()
+    assert stats.invariants_ok, stats.invariants_error
+    assert stats.running_requests == 0
+
+
+def test_lazy_allocation_failure_completes_and_inserts_nothing_tracked(server_factory, model_dir, ref):
+    server = server_factory(model_dir, *_flags("extra_buffer_lazy", "--debug-fail-lazy-alloc"))
+    seen = _conversation(server.endpoint, ref)
+    prev_prompt = 0
+    for prompt_len, cached in seen[1:]:
+        assert cached <= prompt_len
+    for t in range(1, len(seen)):
+        assert seen[t][1] <= seen[t - 1][0]  # nothing generated was inserted
+    stats = server.cache_stats()
+    assert stats.invariants_ok, stats.invariants_error
+    assert stats.running_requests == 0
+
+
+def test_memory_pressure_completes_every_request_through_retraction(server_factory, model_dir, ref):
+    # 24 pages of KV for six requests that need ~10 pages each at the end: decode must retract.
+    server = server_factory(
+        model_dir, "--max-total-tokens", "384", "--max-context-len", "384", "--max-mamba-cache-size", "24",
+        "--mamba-track-interval", str(PAGE),
+    )
+    prompts = [_tokens(90 + 7 * i, seed=500 + i) for i in range(6)]
+    want = [greedy(ref, p, 60) for p in prompts]
+
+    async def run():
+        async with AsyncClient(server.endpoint) as c:
+            return await asyncio.gather(*(c.generate(input_ids=p, max_tokens=60, ignore_eos=True) for p in prompts))
+
+    outs = asyncio.run(run())
+    assert [o.token_ids for o in outs] == want
+    assert "retracting" in server.log()
+    stats = server.cache_stats()
+    assert stats.invariants_ok, stats.invariants_error
+    assert stats.running_requests == 0
