@@ -317,6 +317,13 @@ class GetCacheStats(Message):
     check_invariants: bool = False
 
 
+class CacheReset(Message):
+    """The cache controller forgot everything because the worker restarted with empty pools."""
+
+    num_pages: int
+    num_state_slots: int
+
+
 class CacheStats(Message):
     free_pages: int
     total_pages: int
@@ -370,7 +377,7 @@ class MetricsReport(Message):
 # ---------------------------------------------------------------- one union per inbox
 
 ToTokenizer = Union[TokenBatch, WorkerInfo, Ready, MetricsReport, Shutdown]
-ToScheduler = Union[AddRequest, AbortRequest, StopRequest, BatchDone, CacheStepDone, WorkerInfo, Shutdown]
+ToScheduler = Union[AddRequest, AbortRequest, StopRequest, BatchDone, CacheStepDone, CacheReset, WorkerInfo, Shutdown]
 ToWorker = Union[RunBatch, ResetState, Shutdown]
 ToCache = Union[CacheStep, TransfersDone, WorkerInfo, GetCacheStats, Shutdown]
 ToLauncher = Union[Ready, Fatal]

@@ -316,6 +316,8 @@ class CacheController:
             total_host_pages=self.host_kv.capacity if self.host_kv else 0,
             free_host_slots=self.host_state.num_free if self.host_state else 0,
             total_host_slots=self.host_state.capacity if self.host_state else 0,
+            cached_pages=self.tree.device_pages_used if self.tree else 0,
+            cached_slots=self.tree.device_states_used if self.tree else 0,
             running_requests=len(self.requests),
         )
 

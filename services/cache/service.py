@@ -6,6 +6,7 @@ from typing import Any
 
 from himamba.common.config import Config
 from himamba.common.messages import (
+    CacheReset,
     CacheStep,
     CacheStepDone,
     GetCacheStats,
@@ -80,7 +81,10 @@ class CacheService(Actor[ToCache]):
                 await out.send(stats)
                 out.close()
             case WorkerInfo():
-                self.log.warning("worker restarted: pool metadata is kept as is")
+                # A restarted worker has empty pools: every page and state the tree knew is gone.
+                self.log.warning("worker restarted: forgetting the cache and every request's memory")
+                self.on_worker_info(msg)
+                await self.scheduler.send(CacheReset(num_pages=msg.num_pages, num_state_slots=msg.num_state_slots))
             case Shutdown():
                 pass
 

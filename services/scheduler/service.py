@@ -28,6 +28,7 @@ from himamba.common.messages import (
     AllocSlots,
     BatchDone,
     CacheOp,
+    CacheReset,
     CacheStep,
     CacheStepDone,
     Extend,
@@ -58,6 +59,10 @@ from himamba.services.scheduler.stop import check_stop
 from himamba.services.scheduler.validation import validate_against_worker
 
 
+class WorkerRestarted(Exception):
+    """An in-flight round trip that will never be answered: the worker restarted."""
+
+
 class SchedulerService(Actor[ToScheduler]):
     name = "scheduler"
 
@@ -85,6 +90,8 @@ class SchedulerService(Actor[ToScheduler]):
         self.last_mode: str | None = None
         self._info_ready = asyncio.Event()
         self.counters = {"lazy_alloc_failures": 0, "admission_blocked": 0, "retractions": 0}
+        self._restarts = 0  # WorkerInfo messages after the first (the worker came back)
+        self._resets = 0  # CacheReset confirmations from the cache controller
         self._refused_rid = ""  # the waiting head, when the last admission attempt refused it
         self._refused_reason = ""
 
@@ -104,21 +111,56 @@ class SchedulerService(Actor[ToScheduler]):
                     fut.set_result((msg, frames))
             case WorkerInfo():
                 self.on_worker_info(msg)
+            case CacheReset():
+                self._resets += 1
+                # Anything a racing Admit allocated in the fresh controller is given back.
+                self.pending_ops = [Release(rid=r.rid) for r in self.waiting]
+                self._update_ready()
             case Shutdown():
                 pass
         self.wake.set()
 
     def on_worker_info(self, info: WorkerInfo) -> None:
+        if self.info is not None:
+            self._restarts += 1
+            self._on_worker_restart()
+            self.info = info
+            self._update_ready()  # scheduling resumes once the cache controller has reset too
+            return
         problem = validate_against_worker(self.cfg, info, self.strategy)
         if problem:
             self._fatal(f"configuration does not fit the model: {problem}")
             return
         self.info = info
-        self._info_ready.set()
+        self._update_ready()
         self.log.info(
             "worker ready: vocab %d, %d pages, %d state slots; strategy %s, track interval %d, overlap %s",
             info.vocab_size, info.num_pages, info.num_state_slots, self.strategy, self.interval, self.overlap,
         )
+
+    def _update_ready(self) -> None:
+        if self.info is not None and self._resets >= self._restarts:
+            self._info_ready.set()
+        else:
+            self._info_ready.clear()
+
+    def _on_worker_restart(self) -> None:
+        """The worker came back with empty pools: requeue every running request (its output is
+        kept and recomputed) and drop memory bookkeeping the reset cache no longer knows."""
+        self.log.warning("worker restarted: requeueing %d running requests", len(self.running))
+        for key, fut in list(self._replies.items()):
+            if not fut.done():
+                fut.set_exception(WorkerRestarted())
+            del self._replies[key]
+        for req in reversed(list(self.running)):
+            self.running.remove(req)
+            req.release_resources()
+            req.status = "waiting"
+            self.waiting.appendleft(req)
+        # Give back whatever a racing Admit got from a controller that has already reset
+        # (releasing a request the controller does not know is a no-op).
+        self.pending_ops = [Release(rid=r.rid) for r in self.waiting]
+        self.pending_transfers = []
 
     def on_add(self, msg: AddRequest) -> None:
         if msg.rid in self.requests:
@@ -162,9 +204,14 @@ class SchedulerService(Actor[ToScheduler]):
     async def background(self) -> None:
         await self._info_ready.wait()
         while True:
+            await self._info_ready.wait()
             # Cleared before the step, so a message arriving during it is never missed.
             self.wake.clear()
-            if not await self.step():
+            try:
+                progressed = await self.step()
+            except WorkerRestarted:
+                continue
+            if not progressed:
                 await self.wake.wait()
 
     async def step(self) -> bool:
