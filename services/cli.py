@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
 def _bench(argv: list[str]) -> int:
     benches = {
         "cache": "himamba.services.cache.bench",
+        "scheduler": "himamba.services.bench.scheduler",
+        "forward": "himamba.services.worker.bench_forward",
+        "multiturn": "himamba.services.bench.multiturn",
     }
     if not argv or argv[0] not in benches:
         print(f"usage: himamba bench {{{','.join(benches)}}} [options]", file=sys.stderr)

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVICE_PACKAGES = {"tokenizer", "scheduler", "worker", "cache"}
 # Shared building blocks under services/ that any service may use, and the composition root.
 SHARED = {"actor", "modelgen"}
-ROOTS = {"cli", "launch"}
+ROOTS = {"cli", "launch", "bench"}  # composition roots: they start and drive whole servers
 
 
 def _imports(path: Path) -> list[str]:

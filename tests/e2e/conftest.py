@@ -1,112 +1,18 @@
-"""Start a real `himamba serve` for a test module, talk to it, stop it by PID."""
+"""A module-scoped factory of real `himamba serve` processes, each stopped by PID at the end."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
-import uuid
-from dataclasses import dataclass
-from pathlib import Path
+import pytest
 
-import msgspec
-import zmq
-
-from himamba.common.messages import CacheStats, GetCacheStats
-from himamba.common.wire import encode
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    endpoints: dict[str, str]
-    log_path: Path
-
-    @property
-    def endpoint(self) -> str:
-        return self.endpoints["zmq_endpoint"]
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def cache_stats(self, check_invariants: bool = True, timeout_s: float = 10.0) -> CacheStats:
-        ctx = zmq.Context.instance()
-        reply_to = f"ipc://@himamba-test-{uuid.uuid4().hex}-stats"
-        pull = ctx.socket(zmq.PULL)
-        pull.bind(reply_to)
-        push = ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.connect(self.endpoints["cache_ipc"])
-        try:
-            push.send_multipart(encode(GetCacheStats(reply_to=reply_to, check_invariants=check_invariants)))
-            if not pull.poll(int(timeout_s * 1000)):
-                raise TimeoutError("cache controller did not answer")
-            return msgspec.msgpack.decode(pull.recv(), type=CacheStats)
-        finally:
-            pull.close(0)
-            push.close(0)
-
-    def stop(self, timeout_s: float = 10.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def unique_endpoints() -> dict[str, str]:
-    tag = uuid.uuid4().hex[:12]
-    names = ["zmq_endpoint", "tokenizer_ipc", "scheduler_ipc", "worker_ipc", "cache_ipc", "control_ipc"]
-    return {n: f"ipc://@himamba-test-{tag}-{n}" for n in names}
-
-
-def himamba_command() -> list[str]:
-    return [sys.executable, "-P", "-m", "himamba.services.cli"]
-
-
-def start_server(model_dir: Path | str, log_dir: Path, *flags: str, ready_timeout_s: float = 180.0) -> Server:
-    """Run `himamba serve` on `model_dir` with unique endpoints; wait for its ready line."""
-    endpoints = unique_endpoints()
-    # HTTP off unless a test asks (several servers run side by side); one torch thread each.
-    args = [*himamba_command(), "serve", "--model", str(model_dir), "--torch-threads", "1"]
-    if "--port" not in flags:
-        args += ["--port", "0"]
-    for name, ep in endpoints.items():
-        args += ["--" + name.replace("_", "-"), ep]
-    args += list(flags)
-    log_path = log_dir / f"server-{uuid.uuid4().hex[:6]}.log"
-    log = open(log_path, "wb")
-    env = dict(os.environ, PYTHONSAFEPATH="1")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    server = Server(proc, endpoints, log_path)
-    deadline = time.monotonic() + ready_timeout_s
-    while time.monotonic() < deadline:
-        if "himamba is ready" in server.log():
-            return server
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
-        time.sleep(0.1)
-    server.stop()
-    raise TimeoutError(f"server not ready in {ready_timeout_s}s:\n{server.log()[-4000:]}")
-
-
-# ---------------------------------------------------------------- fixtures
-
-import pytest  # noqa: E402
+from himamba.services.bench.servers import ServerProcess, start_server
 
 
 @pytest.fixture(scope="module")
 def server_factory(tmp_path_factory):
-    """Start servers for a module; every one is stopped by PID at the end."""
-    started: list[Server] = []
+    started: list[ServerProcess] = []
     log_dir = tmp_path_factory.mktemp("logs")
 
-    def start(model_dir, *flags, **kw) -> Server:
+    def start(model_dir, *flags, **kw) -> ServerProcess:
         s = start_server(model_dir, log_dir, *flags, **kw)
         started.append(s)
         return s

@@ -1,0 +1,104 @@
+"""Start real `himamba serve` processes for benchmarks and tests: unique endpoints, readiness,
+the cache controller's stats probe, and stop by PID (process group) so nothing outlives a run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from himamba.common.messages import CacheStats, GetCacheStats
+from himamba.common.wire import encode
+
+ENDPOINT_FIELDS = ("zmq_endpoint", "tokenizer_ipc", "scheduler_ipc", "worker_ipc", "cache_ipc", "control_ipc")
+
+
+def unique_endpoints(prefix: str = "himamba-run") -> dict[str, str]:
+    tag = uuid.uuid4().hex[:12]
+    return {n: f"ipc://@{prefix}-{tag}-{n}" for n in ENDPOINT_FIELDS}
+
+
+def himamba_command() -> list[str]:
+    # -P: the current directory must never shadow our packages
+    return [sys.executable, "-P", "-m", "himamba.services.cli"]
+
+
+@dataclass
+class ServerProcess:
+    """A running `himamba serve` (its own process group)."""
+
+    proc: subprocess.Popen[bytes]
+    endpoints: dict[str, str]
+    log_path: Path
+
+    @property
+    def endpoint(self) -> str:
+        return self.endpoints["zmq_endpoint"]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def cache_stats(self, check_invariants: bool = True, timeout_s: float = 10.0) -> CacheStats:
+        """Ask the cache controller for pool occupancy (and an invariant check)."""
+        ctx = zmq.Context.instance()
+        reply_to = f"ipc://@himamba-stats-{uuid.uuid4().hex}"
+        pull = ctx.socket(zmq.PULL)
+        pull.bind(reply_to)
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(self.endpoints["cache_ipc"])
+        try:
+            push.send_multipart(encode(GetCacheStats(reply_to=reply_to, check_invariants=check_invariants)))
+            if not pull.poll(int(timeout_s * 1000)):
+                raise TimeoutError("the cache controller did not answer")
+            return msgspec.msgpack.decode(pull.recv(), type=CacheStats)
+        finally:
+            pull.close(0)
+            push.close(0)
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_server(model_dir: Path | str, log_dir: Path, *flags: str, ready_timeout_s: float = 180.0) -> ServerProcess:
+    """Run `himamba serve` on `model_dir` with unique endpoints (HTTP off unless `--port` is
+    given) and wait for its ready line."""
+    endpoints = unique_endpoints()
+    args = [*himamba_command(), "serve", "--model", str(model_dir)]
+    if "--torch-threads" not in flags:
+        args += ["--torch-threads", "1"]
+    if "--port" not in flags:
+        args += ["--port", "0"]
+    for name, ep in endpoints.items():
+        args += ["--" + name.replace("_", "-"), ep]
+    args += list(flags)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"server-{uuid.uuid4().hex[:6]}.log"
+    env = dict(os.environ, PYTHONSAFEPATH="1")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = ServerProcess(proc, endpoints, log_path)
+    deadline = time.monotonic() + ready_timeout_s
+    while time.monotonic() < deadline:
+        if "himamba is ready" in server.log():
+            return server
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
+        time.sleep(0.1)
+    server.stop()
+    raise TimeoutError(f"server not ready in {ready_timeout_s}s:\n{server.log()[-4000:]}")
