@@ -1,0 +1,1367 @@
+"""The tiered radix tree: token-page prefixes -> device KV, device state, host KV, host state.
+
+A node is a run of whole pages. Its KV may be on device (`device_pages`), on host (`host_pages`) or
+both; a recurrent state is valid only at the exact prefix length where it was captured, so a node
+may hold a state (device slot and/or host slot) only at its END.
+
+Structural invariants (checked by `check_invariants`):
+
+    root ─ A ─ B ─ C          device KV is top-closed: a node on device has its parent on device,
+             └ D              host KV is top-closed too, and every non-root node holds KV on device
+                              or on host (a node holding neither is deleted).
+    state on device => KV on device;  state on host => KV on host.
+    lock_ref >= mamba_lock_ref;  lock_ref > 0 => on device;  parent.lock_ref >= sum(device children).
+    host_ref > 0 => host KV;  host_mamba_ref > 0 => host state.
+
+Reference counts. `lock_ref` counts requests using the node's device KV (a lock covers the node
+and every on-device ancestor), `mamba_lock_ref` the requests using its device state. `host_ref`
+and `host_mamba_ref` pin host KV and the host state while a transfer reads or writes them.
+
+Receipts survive splits. A split keeps the original node object as the LOWER part (it keeps the
+state, the children and the identity) and inserts a new upper node that inherits lock_ref and
+host_ref. Every receipt or transfer therefore records only its deepest node and the exclusive
+node above its range, and releases by walking parents: a split inside the range adds a node that
+carries the same counts, and a split of the boundary node happens above the boundary.
+
+Ownership. Everything handed to `insert` (pages and the state slot) belongs to the tree afterwards:
+duplicates and an unused state slot are freed by the tree into their allocators.
+
+Single-threaded: the cache controller calls every method from one thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+from himamba.services.cache.allocator import PageAllocator, SlotAllocator
+from himamba.services.cache.eviction import EVICTION_POLICIES, EXPIRED, EvictionQueue, make_queue
+
+WritePolicy = Literal["write_back", "write_through", "write_through_selective"]
+WRITE_POLICIES: tuple[str, ...] = ("write_back", "write_through", "write_through_selective")
+StateTier = Literal["device", "host", "none"]
+
+
+class TreeNode:
+    """One run of whole pages. Fields are managed by RadixTree; read them, do not write them."""
+
+    __slots__ = (
+        "id",
+        "key",
+        "parent",
+        "children",
+        "device_pages",
+        "device_state",
+        "host_pages",
+        "host_state",
+        "lock_ref",
+        "mamba_lock_ref",
+        "host_ref",
+        "host_mamba_ref",
+        "hit_count",
+        "state_hit_count",
+        "last_access",
+        "state_access",
+        "num_device_children",
+        "warm",
+        "state_warm",
+        "page_hashes",
+    )
+
+    def __init__(self, node_id: int, key: tuple[int, ...], parent: TreeNode | None) -> None:
+        self.id = node_id
+        self.key = key
+        self.parent = parent
+        self.children: dict[tuple[int, ...], TreeNode] = {}
+        self.device_pages: list[int] | None = None
+        self.device_state: int | None = None
+        self.host_pages: list[int] | None = None
+        self.host_state: int | None = None
+        self.lock_ref = 0
+        self.mamba_lock_ref = 0
+        self.host_ref = 0
+        self.host_mamba_ref = 0
+        self.hit_count = 0
+        self.state_hit_count = 0
+        self.last_access = 0  # KV recency (use stamp)
+        self.state_access = 0  # state recency; refreshed only when this node's state is consumed
+        self.num_device_children = 0
+        # Proven reuse, for scan-resistant eviction: the KV / the state was hit, or was inserted by a
+        # request that continued a hit (the frontier of a conversation that is being reused).
+        self.warm = False
+        self.state_warm = False
+        # Per-page storage keys, filled by the storage tier later; split together with the pages.
+        self.page_hashes: list[bytes] | None = None
+
+    def protect_host(self) -> None:
+        """Count one more user of the host KV (the tree's protect_host keeps its sets in step)."""
+        self.host_ref += 1
+
+    def release_host(self) -> None:
+        """Drop one user of the host KV; RuntimeError when it is already zero."""
+        if self.host_ref <= 0:
+            raise RuntimeError(f"node {self.id}: host_ref released below zero")
+        self.host_ref -= 1
+
+    def protect_host_mamba(self) -> None:
+        """Count one more user of the host state."""
+        self.host_mamba_ref += 1
+
+    def release_host_mamba(self) -> None:
+        """Drop one user of the host state; RuntimeError when it is already zero."""
+        if self.host_mamba_ref <= 0:
+            raise RuntimeError(f"node {self.id}: host_mamba_ref released below zero")
+        self.host_mamba_ref -= 1
+
+    @property
+    def on_device(self) -> bool:
+        return self.device_pages is not None
+
+    @property
+    def on_host(self) -> bool:
+        return self.host_pages is not None
+
+    @property
+    def is_attached(self) -> bool:
+        """False once the node was deleted from its tree (the root is always attached)."""
+        return self.parent is not None or not self.key
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(id={self.id}, len={len(self.key)}, dev={self.device_pages is not None}, "
+            f"host={self.host_pages is not None}, dstate={self.device_state}, hstate={self.host_state}, "
+            f"lock={self.lock_ref}/{self.mamba_lock_ref}, host_ref={self.host_ref}/{self.host_mamba_ref})"
+        )
+
+
+class MatchResult(NamedTuple):
+    """What a prefix match found. `node` is the deepest node with a state on device or host."""
+
+    node: TreeNode
+    cached_len: int  # tokens up to `node`: usable once the host part is loaded
+    device_pages: list[int]  # device pages of the on-device part of root..node
+    device_len: int
+    host_len: int  # cached_len - device_len: KV to load from host
+    state_tier: StateTier
+    kv_match_len: int  # deepest whole-page KV match (device or host); may exceed cached_len
+    device_node: TreeNode  # deepest node whose KV and state are both on device (usable without a load)
+    device_cached_len: int
+    backups: list[BackupOp]  # write_through_selective orders triggered by this hit
+
+
+@dataclass(eq=False, slots=True)
+class LockReceipt:
+    """Exactly what `lock` incremented: lock_ref on `device_node` and each ancestor, and
+    mamba_lock_ref on `state_node`. `unlock` replays it."""
+
+    node: TreeNode
+    device_node: TreeNode | None  # deepest locked node; None when nothing was on device
+    state_node: TreeNode | None
+    released: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class HostPin:
+    """Exactly what `protect_host` pinned: host_ref over node's range (node up to, not including,
+    `top`, its parent at pin time) and/or host_mamba_ref on node. `release_host` replays it."""
+
+    node: TreeNode
+    kv: bool
+    state: bool
+    top: TreeNode
+    released: bool = False
+
+
+class InsertResult(NamedTuple):
+    """Outcome of an insert. `pages` are the tree's device pages for the inserted tokens."""
+
+    node: TreeNode  # the node ending exactly at len(tokens) (root for empty tokens)
+    pages: list[int]
+    num_dup_freed: int
+    state_used: bool  # False: the node already had a device state; the tree freed the given slot
+    backups: list[BackupOp]
+
+
+class EvictResult(NamedTuple):
+    """How much an eviction freed in each pool, and the backup orders it issued (write_back)."""
+
+    num_pages: int
+    num_states: int
+    num_host_pages: int
+    num_host_states: int
+    backups: list[BackupOp]
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class BackupOp:
+    """Device -> host copy order: device_pages[i] -> host_pages[i], device_states[i] -> host_states[i].
+
+    The host side stays protected until `RadixTree.backup_done(op)`."""
+
+    op_id: int
+    device_pages: list[int]
+    host_pages: list[int]
+    device_states: list[int]
+    host_states: list[int]
+    node: TreeNode
+    _bottom: TreeNode | None = field(repr=False)  # deepest node whose host KV was protected
+    _top: TreeNode = field(repr=False)  # first node above the protected range (exclusive)
+    _state_node: TreeNode | None = field(repr=False)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class LoadOp:
+    """Host -> device copy order: host_pages[i] -> device_pages[i], host_states[i] -> device_states[i].
+
+    The host side stays protected until `RadixTree.load_back_done(op)`."""
+
+    op_id: int
+    device_pages: list[int]
+    host_pages: list[int]
+    device_states: list[int]
+    host_states: list[int]
+    node: TreeNode
+    backups: list[BackupOp]  # write_back orders issued while making room: send them BEFORE this load
+    _bottom: TreeNode | None = field(repr=False)
+    _top: TreeNode = field(repr=False)
+    _state_node: TreeNode | None = field(repr=False)
+
+
+class _Freed:
+    """Backup orders issued during one eviction call; the freed amounts come from the counters."""
+
+    __slots__ = ("backups", "_start")
+
+    def __init__(self, tree: RadixTree) -> None:
+        self.backups: list[BackupOp] = []
+        self._start = (tree._dev_pages_used, tree._dev_states_used, tree._host_pages_used, tree._host_states_used)
+
+    def result(self, tree: RadixTree) -> EvictResult:
+        # Counter differences also cover what nested calls freed (write_back backups evict host,
+        # whose cascade may delete dead device nodes).
+        p, s, hp, hs = self._start
+        return EvictResult(
+            p - tree._dev_pages_used,
+            s - tree._dev_states_used,
+            hp - tree._host_pages_used,
+            hs - tree._host_states_used,
+            self.backups,
+        )
+
+
+class RadixTree:
+    """Prefix cache over four pools. Every public method keeps the invariants in the module docstring.
+
+    host_kv None means no host tier; host_state None with a host_kv means a KV-only host tier.
+    """
+
+    def __init__(
+        self,
+        page_size: int,
+        device_kv: PageAllocator,
+        device_state: SlotAllocator,
+        host_kv: PageAllocator | None = None,
+        host_state: SlotAllocator | None = None,
+        write_policy: WritePolicy = "write_through",
+        selective_threshold: int = 2,
+        eviction_policy: str = "lru",
+        *,
+        seed: int = 0,
+    ) -> None:
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        if eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {eviction_policy!r}")
+        if selective_threshold < 1:
+            raise ValueError(f"selective_threshold must be >= 1, got {selective_threshold}")
+        if host_state is not None and host_kv is None:
+            raise ValueError("host_state needs host_kv: a host state is stored with its host KV")
+        self.page_size = page_size
+        self.write_policy = write_policy
+        self.selective_threshold = selective_threshold
+        self.eviction_policy = eviction_policy
+        self._device_kv = device_kv
+        self._device_state = device_state
+        self._host_kv = host_kv
+        self._host_state = host_state
+
+        root = TreeNode(0, (), None)
+        root.device_pages = []  # the empty prefix is always "on" both tiers: top-closure ends here
+        root.host_pages = []
+        self._root = root
+        self._next_id = 1
+        self._num_nodes = 1
+        self._tick = 0
+        self._next_op_id = 1
+        self._pending_backups: dict[int, BackupOp] = {}
+        self._pending_loads: dict[int, LoadOp] = {}
+
+        self._dev_leaves: EvictionQueue = make_queue(eviction_policy, seed)
+        self._dev_states: EvictionQueue = make_queue(eviction_policy, seed + 1)
+        self._host_leaves: EvictionQueue = make_queue(eviction_policy, seed + 2)
+        self._host_states: EvictionQueue = make_queue(eviction_policy, seed + 3)
+
+        self._dev_pages_used = 0
+        self._dev_pages_protected = 0
+        self._dev_states_used = 0
+        self._dev_states_protected = 0
+        self._host_pages_used = 0
+        self._host_pages_protected = 0
+        self._host_states_used = 0
+        self._host_states_protected = 0
+
+    # ------------------------------------------------------------------ metrics
+
+    @property
+    def root(self) -> TreeNode:
+        return self._root
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in the tree, root included."""
+        return self._num_nodes
+
+    @property
+    def device_pages_used(self) -> int:
+        return self._dev_pages_used
+
+    @property
+    def device_pages_protected(self) -> int:
+        """Device pages of locked nodes."""
+        return self._dev_pages_protected
+
+    @property
+    def device_pages_evictable(self) -> int:
+        """Device pages of unlocked nodes: all of them can be freed by repeated `evict`."""
+        return self._dev_pages_used - self._dev_pages_protected
+
+    @property
+    def device_states_used(self) -> int:
+        return self._dev_states_used
+
+    @property
+    def device_states_protected(self) -> int:
+        return self._dev_states_protected
+
+    @property
+    def device_states_evictable(self) -> int:
+        return self._dev_states_used - self._dev_states_protected
+
+    @property
+    def host_pages_used(self) -> int:
+        return self._host_pages_used
+
+    @property
+    def host_pages_protected(self) -> int:
+        """Host pages pinned by host_ref (a transfer is reading or writing them)."""
+        return self._host_pages_protected
+
+    @property
+    def host_pages_evictable(self) -> int:
+        return self._host_pages_used - self._host_pages_protected
+
+    @property
+    def host_states_used(self) -> int:
+        return self._host_states_used
+
+    @property
+    def host_states_protected(self) -> int:
+        return self._host_states_protected
+
+    @property
+    def host_states_evictable(self) -> int:
+        return self._host_states_used - self._host_states_protected
+
+    @property
+    def num_pending_backups(self) -> int:
+        return len(self._pending_backups)
+
+    @property
+    def num_pending_loads(self) -> int:
+        return len(self._pending_loads)
+
+    # ------------------------------------------------------------------ match
+
+    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
+        """Longest cached prefix of `tokens` that ends at a state (whole pages only).
+
+        May split a node where the match ends inside it; never frees anything. Refreshes KV recency
+        of root..node and the state recency of `node` only, and counts a hit on root..node
+        (write_through_selective may then return backup orders in `backups`).
+        """
+        toks = tokens if type(tokens) is tuple else tuple(tokens)
+        ps = self.page_size
+        end = len(toks) - len(toks) % ps
+        root = self._root
+        node = root
+        pos = 0
+        path: list[TreeNode] = []
+        best = root
+        best_len = 0
+        best_depth = 0
+        dev_best = root
+        dev_best_len = 0
+        while pos < end:
+            child = node.children.get(toks[pos : pos + ps])
+            if child is None:
+                break
+            key = child.key
+            klen = len(key)
+            if pos + klen <= end and toks[pos : pos + klen] == key:
+                pos += klen
+                partial = False
+            else:
+                m = self._common_len(toks, pos, end, key)
+                child = self._split(child, m)
+                pos += m
+                partial = True
+            path.append(child)
+            node = child
+            if child.device_state is not None:
+                best = dev_best = child
+                best_len = dev_best_len = pos
+                best_depth = len(path)
+            elif child.host_state is not None:
+                best = child
+                best_len = pos
+                best_depth = len(path)
+            if partial:
+                break
+
+        device_pages: list[int] = []
+        device_len = 0
+        self._tick += 1
+        tick = self._tick
+        dev_leaves = self._dev_leaves
+        for i in range(best_depth):
+            n = path[i]
+            n.hit_count += 1
+            n.warm = True
+            n.last_access = tick
+            dp = n.device_pages
+            if dp is not None:
+                device_pages += dp
+                device_len += len(n.key)
+                if n in dev_leaves:
+                    dev_leaves.touch(n, tick, True)
+            elif n in self._host_leaves:
+                self._host_leaves.touch(n, tick, True)
+
+        backups: list[BackupOp] = []
+        if best is root:
+            tier: StateTier = "none"
+        else:
+            best.state_hit_count += 1
+            best.state_warm = True
+            best.state_access = tick
+            if best.device_state is not None:
+                tier = "device"
+                if best in self._dev_states:
+                    self._dev_states.touch(best, tick, True)
+            else:
+                tier = "host"
+            if best in self._host_states:
+                self._host_states.touch(best, tick, True)
+            if (
+                self.write_policy == "write_through_selective"
+                and best.hit_count >= self.selective_threshold
+                and self._needs_backup(best)
+            ):
+                op = self.backup(best)
+                if op is not None:
+                    backups.append(op)
+        return MatchResult(
+            best, best_len, device_pages, device_len, best_len - device_len, tier, pos, dev_best, dev_best_len, backups
+        )
+
+    def _common_len(self, toks: tuple[int, ...], pos: int, end: int, key: tuple[int, ...]) -> int:
+        """Tokens (whole pages, >= 1 page) that toks[pos:end] shares with key; the first page is known equal."""
+        ps = self.page_size
+        limit = min(len(key), end - pos)
+        m = ps
+        while m < limit and toks[pos + m : pos + m + ps] == key[m : m + ps]:
+            m += ps
+        return m
+
+    def _split(self, node: TreeNode, m: int) -> TreeNode:
+        """Cut `node` after m tokens; the new upper node is returned, `node` keeps the lower part."""
+        ps = self.page_size
+        k = m // ps
+        parent = node.parent
+        assert parent is not None and 0 < m < len(node.key) and m % ps == 0
+        upper = TreeNode(self._next_id, node.key[:m], parent)
+        self._next_id += 1
+        self._num_nodes += 1
+        node.key = node.key[m:]
+        parent.children[upper.key[:ps]] = upper
+        upper.children[node.key[:ps]] = node
+        node.parent = upper
+        if node.device_pages is not None:
+            upper.device_pages = node.device_pages[:k]
+            node.device_pages = node.device_pages[k:]
+            upper.num_device_children = 1
+            if node in self._dev_leaves:
+                self._dev_leaves.set_weight(node, len(node.device_pages))
+        if node.host_pages is not None:
+            upper.host_pages = node.host_pages[:k]
+            node.host_pages = node.host_pages[k:]
+            if node in self._host_leaves:
+                self._host_leaves.set_weight(node, len(node.host_pages))
+        if node.page_hashes is not None:
+            upper.page_hashes = node.page_hashes[:k]
+            node.page_hashes = node.page_hashes[k:]
+        # Both halves carry every count taken over the whole node, so receipts stay balanced.
+        upper.lock_ref = node.lock_ref
+        upper.host_ref = node.host_ref
+        upper.hit_count = node.hit_count
+        upper.warm = node.warm
+        upper.last_access = node.last_access
+        upper.state_access = node.state_access
+        return upper
+
+    # ------------------------------------------------------------------ locks
+
+    def lock(self, node: TreeNode) -> LockReceipt:
+        """Lock the device KV of node and its on-device ancestors, and node's device state if any."""
+        self._check_attached(node, "node")
+        root = self._root
+        d = node
+        while d.device_pages is None:
+            d = d.parent  # type: ignore[assignment]  # the root has pages, so the walk stops
+        state_node = None
+        if node.device_state is not None:
+            if node.mamba_lock_ref == 0:
+                self._dev_states_protected += 1
+                self._dev_states.discard(node)
+            node.mamba_lock_ref += 1
+            state_node = node
+        n = d
+        dev_leaves = self._dev_leaves
+        while n is not root:
+            if n.lock_ref == 0:
+                self._dev_pages_protected += len(n.device_pages)  # type: ignore[arg-type]
+                dev_leaves.discard(n)
+            n.lock_ref += 1
+            n = n.parent  # type: ignore[assignment]
+        return LockReceipt(node, d if d is not root else None, state_node)
+
+    def unlock(self, receipt: LockReceipt) -> None:
+        """Release exactly what the receipt recorded; ValueError if it was already released."""
+        if receipt.released:
+            raise ValueError("receipt: already unlocked")
+        receipt.released = True
+        s = receipt.state_node
+        if s is not None:
+            if s.mamba_lock_ref <= 0:
+                raise RuntimeError(f"node {s.id}: mamba_lock_ref released below zero")
+            s.mamba_lock_ref -= 1
+            if s.mamba_lock_ref == 0:
+                self._dev_states_protected -= 1
+                self._sync_dev_state(s)
+        root = self._root
+        n = receipt.device_node
+        while n is not None and n is not root:
+            if n.lock_ref <= 0:
+                raise RuntimeError(f"node {n.id}: lock_ref released below zero")
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self._dev_pages_protected -= len(n.device_pages)  # type: ignore[arg-type]
+                self._sync_dev_leaf(n)
+            n = n.parent
+
+    def protect_host(self, node: TreeNode, *, kv: bool = True, state: bool = False) -> HostPin:
+        """Pin node's host KV and/or host state against host eviction (e.g. for a storage transfer).
+
+        The pin survives splits of the node: release it with `release_host(pin)`."""
+        self._check_attached(node, "node")
+        if node is self._root:
+            raise ValueError("node: the root holds nothing to protect")
+        if kv and node.host_pages is None:
+            raise ValueError(f"node: node {node.id} has no host KV to protect")
+        if state and node.host_state is None:
+            raise ValueError(f"node: node {node.id} has no host state to protect")
+        if kv:
+            self._protect_host_kv(node)
+        if state:
+            self._protect_host_state(node)
+        return HostPin(node, kv, state, node.parent)  # type: ignore[arg-type]
+
+    def release_host(self, pin: HostPin) -> None:
+        """Release exactly what the pin took; ValueError if it was already released."""
+        if pin.released:
+            raise ValueError("pin: already released")
+        pin.released = True
+        self._release_range(pin.node if pin.kv else None, pin.top, pin.node if pin.state else None)
+
+    # ------------------------------------------------------------------ insert
+
+    def insert(
+        self,
+        tokens: Sequence[int],
+        device_pages: Sequence[int],
+        state_slot: int | None = None,
+        locked_prefix_len: int = 0,
+    ) -> InsertResult:
+        """Add tokens (whole pages) with their device pages and optionally the state at their end.
+
+        Ownership of every page and of state_slot passes to the tree: where the tree already has
+        device KV the caller's page is a duplicate and is freed (unless it is the very same index),
+        a host-only node is revived with the caller's pages, and a state slot that is not needed
+        (the end node already has a device state) is freed. The first `locked_prefix_len` tokens
+        must be the tree's own device pages (the caller's locked match); ValueError otherwise.
+        """
+        toks = tokens if type(tokens) is tuple else tuple(tokens)
+        pages = device_pages if type(device_pages) is list else list(device_pages)
+        ps = self.page_size
+        n_tok = len(toks)
+        if n_tok % ps:
+            raise ValueError(f"tokens: length {n_tok} is not a multiple of page_size {ps}")
+        if len(pages) * ps != n_tok:
+            raise ValueError(f"device_pages: {len(pages)} pages for {n_tok} tokens (page_size {ps})")
+        if locked_prefix_len < 0 or locked_prefix_len > n_tok or locked_prefix_len % ps:
+            raise ValueError(f"locked_prefix_len: {locked_prefix_len} is not a page multiple in [0, {n_tok}]")
+
+        self._tick += 1
+        tick = self._tick
+        dev_leaves = self._dev_leaves
+        node = self._root
+        pos = 0
+        canonical: list[int] = []
+        dups: list[int] = []
+        while pos < n_tok:
+            child = node.children.get(toks[pos : pos + ps])
+            if child is None:
+                if pos < locked_prefix_len:
+                    raise ValueError(f"locked_prefix_len: tokens from {pos} on are not in the tree")
+                leaf = self._new_leaf(node, toks[pos:], pages[pos // ps :], tick)
+                canonical += leaf.device_pages  # type: ignore[arg-type]
+                node = leaf
+                break
+            key = child.key
+            klen = len(key)
+            if pos + klen <= n_tok and toks[pos : pos + klen] == key:
+                m = klen
+            else:
+                m = self._common_len(toks, pos, n_tok, key)
+                child = self._split(child, m)
+            i0 = pos // ps
+            seg = pages[i0 : i0 + m // ps]
+            tree_pages = child.device_pages
+            child.last_access = tick
+            if tree_pages is None:
+                if pos < locked_prefix_len:
+                    raise ValueError(f"locked_prefix_len: tokens [{pos}, {pos + m}) are not on device in the tree")
+                self._revive(child, seg)
+                canonical += seg
+            else:
+                if tree_pages != seg:
+                    if pos < locked_prefix_len:
+                        k = min(m, locked_prefix_len - pos) // ps
+                        if tree_pages[:k] != seg[:k]:
+                            raise ValueError(
+                                f"device_pages: the locked prefix [{pos}, {pos + k * ps}) differs from the tree's pages"
+                            )
+                    for mine, theirs in zip(seg, tree_pages):
+                        if mine != theirs:
+                            dups.append(mine)
+                canonical += tree_pages
+                if child in dev_leaves:
+                    dev_leaves.touch(child, tick, child.warm)
+            pos += m
+            node = child
+
+        if dups:
+            self._device_kv.free(dups)
+        state_used = False
+        if state_slot is not None:
+            if node is not self._root and node.device_state is None:
+                node.device_state = state_slot
+                node.state_access = tick
+                node.state_warm = node.state_warm or node.warm
+                self._dev_states_used += 1
+                self._sync_dev_state(node)
+                self._supersede_ancestor_state(node)
+                state_used = True
+            elif node.device_state == state_slot:
+                state_used = True  # the tree's own slot handed back: nothing to do
+            else:
+                self._device_state.free([state_slot])
+        backups: list[BackupOp] = []
+        if self.write_policy == "write_through" and node is not self._root and self._needs_backup(node):
+            op = self.backup(node)
+            if op is not None:
+                backups.append(op)
+        return InsertResult(node, canonical, len(dups), state_used, backups)
+
+    def _supersede_ancestor_state(self, node: TreeNode) -> None:
+        """A conversation moved on: the nearest state above `node` expires if nothing else uses it.
+
+        In a multi-turn chain each turn's state is consumed once, by the next turn, which then
+        inserts a deeper state; the consumed one is now dead weight yet was just touched, so LRU
+        would keep it over the frontier states of other conversations. A state at a branch point
+        (more than one child) or consumed more than once is shared and keeps its recency.
+        """
+        root = self._root
+        y = node.parent
+        while y is not root and y.device_state is None and y.host_state is None:
+            y = y.parent  # type: ignore[assignment]
+        if y is root or y.state_hit_count > 1 or len(y.children) != 1:  # type: ignore[union-attr]
+            return
+        y.state_access = EXPIRED  # type: ignore[union-attr]
+        y.state_warm = False  # type: ignore[union-attr]
+        if y in self._dev_states:
+            self._dev_states.touch(y, EXPIRED, False)
+        if y in self._host_states:
+            self._host_states.touch(y, EXPIRED, False)
+
+    def _new_leaf(self, parent: TreeNode, key: tuple[int, ...], pages: list[int], tick: int) -> TreeNode:
+        leaf = TreeNode(self._next_id, key, parent)
+        self._next_id += 1
+        self._num_nodes += 1
+        leaf.device_pages = pages
+        leaf.last_access = tick
+        leaf.state_access = tick
+        leaf.warm = parent.warm  # extending a prefix that was hit: likely the next turn's prefix
+        parent.children[key[: self.page_size]] = leaf
+        self._dev_pages_used += len(pages)
+        self._add_device_child(parent)
+        self._dev_leaves.add(leaf, tick, leaf.warm, len(pages))
+        return leaf
+
+    def _revive(self, node: TreeNode, pages: list[int]) -> None:
+        """Give a host-only node device pages (its parent is already on device)."""
+        assert node.lock_ref == 0 and node.device_state is None
+        node.device_pages = pages
+        self._dev_pages_used += len(pages)
+        self._add_device_child(node.parent)  # type: ignore[arg-type]
+        self._sync_dev_leaf(node)
+        self._host_leaves.discard(node)
+
+    def _add_device_child(self, parent: TreeNode) -> None:
+        parent.num_device_children += 1
+        if parent.num_device_children == 1:
+            self._dev_leaves.discard(parent)
+
+    # ------------------------------------------------------------------ eviction
+
+    def evict(self, num_pages: int) -> EvictResult:
+        """Free at least num_pages device pages if possible, over unlocked device leaves in policy order.
+
+        Backed-up leaves are demoted to host; others are backed up first under write_back (the order
+        is in the result), else deleted with their childless, stateless, unreferenced ancestors.
+        Never raises on exhaustion: the result says what was freed.
+        """
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        acc = _Freed(self)
+        target = self._dev_pages_used - num_pages
+        while self._dev_pages_used > target:
+            n = self._dev_leaves.pop()
+            if n is None:
+                break
+            self._evict_device(n, acc)
+        return acc.result(self)
+
+    def evict_state(self, num_slots: int) -> EvictResult:
+        """Free device state slots over unlocked states in policy order: an unlocked device leaf is
+        evicted entirely (as `evict`), any other node loses only its state (its KV stays)."""
+        if num_slots < 0:
+            raise ValueError(f"num_slots must be >= 0, got {num_slots}")
+        acc = _Freed(self)
+        target = self._dev_states_used - num_slots
+        while self._dev_states_used > target:
+            n = self._dev_states.pop()
+            if n is None:
+                break
+            if n.lock_ref == 0 and n.num_device_children == 0:
+                self._dev_leaves.discard(n)
+                self._evict_device(n, acc)
+            else:
+                self._device_state.free([n.device_state])  # type: ignore[list-item]
+                n.device_state = None
+                self._dev_states_used -= 1
+        return acc.result(self)
+
+    def evict_host(self, num_pages: int) -> EvictResult:
+        """Free host pages by deleting unprotected host-only leaves (no children) in policy order."""
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        acc = _Freed(self)
+        target = self._host_pages_used - num_pages
+        while self._host_pages_used > target:
+            n = self._host_leaves.pop()
+            if n is None:
+                break
+            self._delete(n, acc)
+        return acc.result(self)
+
+    def evict_host_state(self, num_slots: int) -> EvictResult:
+        """Free host state slots over unprotected host states: a host leaf is deleted entirely, any
+        other node loses only its host state."""
+        if num_slots < 0:
+            raise ValueError(f"num_slots must be >= 0, got {num_slots}")
+        acc = _Freed(self)
+        target = self._host_states_used - num_slots
+        while self._host_states_used > target:
+            n = self._host_states.pop()
+            if n is None:
+                break
+            if n in self._host_leaves:
+                self._host_leaves.discard(n)
+                self._delete(n, acc)
+            else:
+                self._host_state.free([n.host_state])  # type: ignore[union-attr, list-item]
+                n.host_state = None
+                self._host_states_used -= 1
+        return acc.result(self)
+
+    def _evict_device(self, n: TreeNode, acc: _Freed) -> None:
+        """Take an unlocked device leaf off the device (it is no longer in the device-leaf queue)."""
+        assert n.lock_ref == 0 and n.num_device_children == 0 and n.device_pages is not None
+        if self.write_policy == "write_back" and self._needs_backup(n):
+            op = self.backup(n)
+            if op is not None:
+                acc.backups.append(op)
+        if n.host_pages is not None:
+            self._demote(n, acc)
+        else:
+            self._delete(n, acc)
+
+    def _demote(self, n: TreeNode, acc: _Freed) -> None:
+        """Free device KV and device state; the node stays, host-only."""
+        pages = n.device_pages
+        assert pages is not None and n.mamba_lock_ref == 0
+        n.device_pages = None
+        self._device_kv.free(pages)
+        self._dev_pages_used -= len(pages)
+        if n.device_state is not None:
+            self._dev_states.discard(n)
+            self._device_state.free([n.device_state])
+            n.device_state = None
+            self._dev_states_used -= 1
+        parent = n.parent
+        assert parent is not None
+        parent.num_device_children -= 1
+        self._sync_dev_leaf(parent)
+        self._sync_host_leaf(n)
+
+    def _delete(self, n: TreeNode, acc: _Freed) -> None:
+        """Delete a childless, unreferenced node with everything it holds, then its dead ancestors."""
+        while True:
+            assert not n.children and n.lock_ref == 0 and n.mamba_lock_ref == 0
+            assert n.host_ref == 0 and n.host_mamba_ref == 0
+            parent = n.parent
+            assert parent is not None
+            if n.device_pages is not None:
+                self._dev_leaves.discard(n)
+                self._device_kv.free(n.device_pages)
+                self._dev_pages_used -= len(n.device_pages)
+                n.device_pages = None
+                parent.num_device_children -= 1
+            if n.device_state is not None:
+                self._dev_states.discard(n)
+                self._device_state.free([n.device_state])
+                n.device_state = None
+                self._dev_states_used -= 1
+            if n.host_pages is not None:
+                self._host_leaves.discard(n)
+                self._host_kv.free(n.host_pages)  # type: ignore[union-attr]
+                self._host_pages_used -= len(n.host_pages)
+                n.host_pages = None
+            if n.host_state is not None:
+                self._host_states.discard(n)
+                self._host_state.free([n.host_state])  # type: ignore[union-attr]
+                n.host_state = None
+                self._host_states_used -= 1
+            del parent.children[n.key[: self.page_size]]
+            n.parent = None
+            self._num_nodes -= 1
+            # A childless ancestor with no state anywhere can never be a hit again: delete it too,
+            # unless anything still references it (locks, transfers; sglang #22592/#23696).
+            if (
+                parent is self._root
+                or parent.children
+                or parent.device_state is not None
+                or parent.host_state is not None
+                or parent.lock_ref
+                or parent.mamba_lock_ref
+                or parent.host_ref
+                or parent.host_mamba_ref
+            ):
+                if parent is not self._root:
+                    self._sync_dev_leaf(parent)
+                    self._sync_host_leaf(parent)
+                return
+            n = parent
+
+    # ------------------------------------------------------------------ host transfers
+
+    def _needs_backup(self, node: TreeNode) -> bool:
+        if self._host_kv is None:
+            return False
+        if node.host_pages is None:
+            return True
+        return node.device_state is not None and node.host_state is None and self._host_state is not None
+
+    def backup(self, node: TreeNode) -> BackupOp | None:
+        """Order a device -> host copy of node and its not-yet-backed-up ancestors (one op for the whole
+        path), plus node's device state when it has no host copy. Host memory is allocated here,
+        evicting host entries if needed. Returns None when there is nothing to copy or no host memory.
+        """
+        self._check_attached(node, "node")
+        if self._host_kv is None or node.device_pages is None or node is self._root:
+            return None
+        seg: list[TreeNode] = []
+        n = node
+        while n.host_pages is None:
+            seg.append(n)
+            n = n.parent  # type: ignore[assignment]
+        top = n
+        want_state = node.device_state is not None and node.host_state is None and self._host_state is not None
+        if not seg and not want_state:
+            return None
+        # Host eviction below cannot delete anything on this path: it deletes host-only leaves and then
+        # childless stateless ancestors; nodes in `seg` have no host KV, hence no host-only
+        # descendants, `node` keeps its device state or a child, and ancestors above keep a child.
+        host_pages: list[int] = []
+        if seg:
+            need = 0
+            for x in seg:
+                need += len(x.device_pages)  # type: ignore[arg-type]
+            got = self._host_kv.alloc(need)
+            if got is None:
+                self.evict_host(need - self._host_kv.num_free)
+                got = self._host_kv.alloc(need)
+                if got is None:
+                    return None
+            host_pages = got
+        host_slot = None
+        if want_state:
+            assert self._host_state is not None
+            slots = self._host_state.alloc(1)
+            if slots is None:
+                self.evict_host_state(1)
+                slots = self._host_state.alloc(1)
+            if slots is not None:
+                host_slot = slots[0]
+            elif not seg:
+                return None
+        dev_flat: list[int] = []
+        off = 0
+        for x in reversed(seg):
+            dp = x.device_pages
+            k = len(dp)  # type: ignore[arg-type]
+            x.host_pages = host_pages[off : off + k]
+            off += k
+            dev_flat += dp  # type: ignore[arg-type]
+            self._host_pages_used += k
+            self._protect_host_kv(x)
+        dev_states: list[int] = []
+        host_states: list[int] = []
+        if host_slot is not None:
+            node.host_state = host_slot
+            self._host_states_used += 1
+            self._protect_host_state(node)
+            dev_states.append(node.device_state)  # type: ignore[arg-type]
+            host_states.append(host_slot)
+        op = BackupOp(
+            self._next_op_id,
+            dev_flat,
+            host_pages,
+            dev_states,
+            host_states,
+            node,
+            node if seg else None,
+            top,
+            node if host_slot is not None else None,
+        )
+        self._next_op_id += 1
+        self._pending_backups[op.op_id] = op
+        return op
+
+    def backup_done(self, op: BackupOp) -> None:
+        """The worker finished a backup: release exactly the host protection the op took."""
+        if self._pending_backups.pop(op.op_id, None) is not op:
+            raise ValueError(f"op: backup {op.op_id} is not pending in this tree")
+        self._release_range(op._bottom, op._top, op._state_node)
+
+    def load_back(self, node: TreeNode) -> LoadOp | None:
+        """Order a host -> device copy of the host-only part of root..node, plus node's state when it is
+        on host only. Device pages (and a slot) are allocated here, evicting device entries other
+        than this path, and assigned to the nodes at once; the host side stays protected until
+        `load_back_done`. Returns None (changing nothing) when there is nothing to load or the
+        device memory cannot be had. Lock the node afterwards to keep what was loaded.
+        """
+        self._check_attached(node, "node")
+        if node is self._root:
+            return None
+        seg: list[TreeNode] = []
+        n = node
+        while n.device_pages is None:
+            seg.append(n)
+            n = n.parent  # type: ignore[assignment]
+        top = n
+        want_state = node.device_state is None and node.host_state is not None
+        if not seg and not want_state:
+            return None
+        need = 0
+        for x in seg:
+            need += len(x.host_pages)  # type: ignore[arg-type]
+        receipt = self.lock(node)
+        try:
+            # Everything unlocked is evictable, so this decides up front and never evicts in vain.
+            if self._device_kv.num_free + self.device_pages_evictable < need:
+                return None
+            if want_state and self._device_state.num_free + self.device_states_evictable < 1:
+                return None
+            for x in seg:
+                self._protect_host_kv(x)
+            if want_state:
+                self._protect_host_state(node)
+            backups: list[BackupOp] = []
+            pages = self._device_kv.alloc(need)
+            if pages is None:
+                backups += self.evict(need - self._device_kv.num_free).backups
+                pages = self._device_kv.alloc(need)
+            slot = None
+            if want_state and pages is not None:
+                got = self._device_state.alloc(1)
+                if got is None:
+                    backups += self.evict_state(1).backups
+                    got = self._device_state.alloc(1)
+                slot = got[0] if got is not None else None
+            if pages is None or (want_state and slot is None):
+                # Unreachable: everything unlocked is evictable and was counted above. Failing here
+                # would drop the backup orders just issued, so stop loudly instead.
+                raise RuntimeError(f"load_back: node {node.id}: eviction freed less than it counted")
+
+            self._tick += 1
+            tick = self._tick
+            host_flat: list[int] = []
+            off = 0
+            for x in reversed(seg):
+                hp = x.host_pages
+                k = len(hp)  # type: ignore[arg-type]
+                x.last_access = tick
+                self._revive(x, pages[off : off + k])
+                off += k
+                host_flat += hp  # type: ignore[arg-type]
+            dev_states: list[int] = []
+            host_states: list[int] = []
+            if slot is not None:
+                node.device_state = slot
+                node.state_access = tick
+                self._dev_states_used += 1
+                self._sync_dev_state(node)
+                dev_states.append(slot)
+                host_states.append(node.host_state)  # type: ignore[arg-type]
+            op = LoadOp(
+                self._next_op_id,
+                pages,
+                host_flat,
+                dev_states,
+                host_states,
+                node,
+                backups,
+                node if seg else None,
+                top,
+                node if slot is not None else None,
+            )
+            self._next_op_id += 1
+            self._pending_loads[op.op_id] = op
+            return op
+        finally:
+            self.unlock(receipt)
+
+    def load_back_done(self, op: LoadOp) -> None:
+        """The worker finished a load: release exactly the host protection the op took."""
+        if self._pending_loads.pop(op.op_id, None) is not op:
+            raise ValueError(f"op: load {op.op_id} is not pending in this tree")
+        self._release_range(op._bottom, op._top, op._state_node)
+
+    def _protect_host_kv(self, n: TreeNode) -> None:
+        if n.host_ref == 0:
+            self._host_pages_protected += len(n.host_pages)  # type: ignore[arg-type]
+            self._host_leaves.discard(n)
+        n.protect_host()
+
+    def _protect_host_state(self, n: TreeNode) -> None:
+        if n.host_mamba_ref == 0:
+            self._host_states_protected += 1
+            self._host_states.discard(n)
+            self._host_leaves.discard(n)
+        n.protect_host_mamba()
+
+    def _release_host_kv(self, n: TreeNode) -> None:
+        n.release_host()
+        if n.host_ref == 0:
+            self._host_pages_protected -= len(n.host_pages)  # type: ignore[arg-type]
+            self._sync_host_leaf(n)
+
+    def _release_host_state(self, n: TreeNode) -> None:
+        n.release_host_mamba()
+        if n.host_mamba_ref == 0:
+            self._host_states_protected -= 1
+            self._sync_host_state(n)
+            self._sync_host_leaf(n)
+
+    def _release_range(self, bottom: TreeNode | None, top: TreeNode, state_node: TreeNode | None) -> None:
+        n = bottom
+        while n is not None and n is not top:
+            self._release_host_kv(n)
+            n = n.parent
+        if state_node is not None:
+            self._release_host_state(state_node)
+
+    # ------------------------------------------------------------------ queue membership
+
+    def _sync_dev_leaf(self, n: TreeNode) -> None:
+        want = n.device_pages is not None and n.lock_ref == 0 and n.num_device_children == 0 and n is not self._root
+        q = self._dev_leaves
+        if want:
+            if n not in q:
+                q.add(n, n.last_access, n.warm, len(n.device_pages))  # type: ignore[arg-type]
+        else:
+            q.discard(n)
+
+    def _sync_dev_state(self, n: TreeNode) -> None:
+        q = self._dev_states
+        if n.device_state is not None and n.mamba_lock_ref == 0:
+            if n not in q:
+                q.add(n, n.state_access, n.state_warm, 1)
+        else:
+            q.discard(n)
+
+    def _sync_host_leaf(self, n: TreeNode) -> None:
+        q = self._host_leaves
+        if (
+            n.device_pages is None
+            and n.host_pages is not None
+            and not n.children
+            and n.host_ref == 0
+            and n.host_mamba_ref == 0
+        ):
+            if n not in q:
+                q.add(n, n.last_access, n.warm, len(n.host_pages))
+        else:
+            q.discard(n)
+
+    def _sync_host_state(self, n: TreeNode) -> None:
+        q = self._host_states
+        if n.host_state is not None and n.host_mamba_ref == 0:
+            if n not in q:
+                q.add(n, n.state_access, n.state_warm, 1)
+        else:
+            q.discard(n)
+
+    def _check_attached(self, node: TreeNode, name: str) -> None:
+        if node is not self._root and node.parent is None:
+            raise ValueError(f"{name}: node {node.id} is no longer in the tree")
+
+    # ------------------------------------------------------------------ checks
+
+    def check_invariants(
+        self,
+        external_device_pages: Sequence[int] = (),
+        external_device_slots: Sequence[int] = (),
+        external_host_pages: Sequence[int] = (),
+        external_host_slots: Sequence[int] = (),
+    ) -> None:
+        """Walk the whole tree and the pools; raise AssertionError naming the node and the problem.
+
+        external_* are the indices owned outside the tree (running requests); every index of every
+        pool must be free XOR owned by exactly one node XOR external. O(tree + pools): tests only.
+        """
+        ps = self.page_size
+        root = self._root
+
+        def fail(node: TreeNode, what: str) -> None:
+            raise AssertionError(f"node {node.id}: {what}")
+
+        if root.key != () or root.device_pages != [] or root.host_pages != [] or root.parent is not None:
+            fail(root, "root must have an empty key, [] pages on both tiers and no parent")
+        if root.device_state is not None or root.host_state is not None:
+            fail(root, "root must not hold a state")
+        if root.lock_ref or root.mamba_lock_ref or root.host_ref or root.host_mamba_ref:
+            fail(root, "root counters must stay 0")
+
+        owner: dict[str, dict[int, int]] = {"device page": {}, "device slot": {}, "host page": {}, "host slot": {}}
+
+        def own(kind: str, idx: int, node: TreeNode) -> None:
+            held = owner[kind]
+            if idx in held:
+                fail(node, f"{kind} {idx} is also owned by node {held[idx]}")
+            held[idx] = node.id
+
+        totals = dict(dp_used=0, dp_prot=0, ds_used=0, ds_prot=0, hp_used=0, hp_prot=0, hs_used=0, hs_prot=0)
+        want_dl: set[TreeNode] = set()
+        want_ds: set[TreeNode] = set()
+        want_hl: set[TreeNode] = set()
+        want_hs: set[TreeNode] = set()
+        num_nodes = 0
+        ids: set[int] = set()
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            num_nodes += 1
+            if node.id in ids:
+                fail(node, "id is not unique")
+            ids.add(node.id)
+            dev_children = 0
+            child_lock_sum = 0
+            for k, c in node.children.items():
+                if c.parent is not node:
+                    fail(c, f"parent link does not point to node {node.id}")
+                if not c.key or len(c.key) % ps or c.key[:ps] != k:
+                    fail(c, f"key of length {len(c.key)} does not fit its child key in node {node.id}")
+                if c.device_pages is not None:
+                    dev_children += 1
+                    child_lock_sum += c.lock_ref
+                stack.append(c)
+            if dev_children != node.num_device_children:
+                fail(node, f"num_device_children {node.num_device_children} != {dev_children}")
+            if node is root:
+                continue
+            for name in ("lock_ref", "mamba_lock_ref", "host_ref", "host_mamba_ref", "hit_count"):
+                if getattr(node, name) < 0:
+                    fail(node, f"{name} is negative")
+            parent = node.parent
+            assert parent is not None
+            npages = len(node.key) // ps
+            dp, hp = node.device_pages, node.host_pages
+            if dp is None and hp is None:
+                fail(node, "holds KV on neither tier (should have been deleted)")
+            if dp is not None:
+                if len(dp) != npages:
+                    fail(node, f"{len(dp)} device pages for {npages} pages of key")
+                if parent.device_pages is None:
+                    fail(node, "on device while its parent is not (device KV must be top-closed)")
+                for p in dp:
+                    own("device page", p, node)
+                totals["dp_used"] += npages
+                if node.lock_ref:
+                    totals["dp_prot"] += npages
+            if hp is not None:
+                if len(hp) != npages:
+                    fail(node, f"{len(hp)} host pages for {npages} pages of key")
+                if parent.host_pages is None:
+                    fail(node, "on host while its parent is not (host KV must be top-closed)")
+                for p in hp:
+                    own("host page", p, node)
+                totals["hp_used"] += npages
+                if node.host_ref:
+                    totals["hp_prot"] += npages
+            if node.page_hashes is not None and len(node.page_hashes) != npages:
+                fail(node, "page_hashes length differs from the page count")
+            if node.device_state is not None:
+                if dp is None:
+                    fail(node, "device state without device KV")
+                own("device slot", node.device_state, node)
+                totals["ds_used"] += 1
+                if node.mamba_lock_ref:
+                    totals["ds_prot"] += 1
+            if node.host_state is not None:
+                if hp is None:
+                    fail(node, "host state without host KV")
+                own("host slot", node.host_state, node)
+                totals["hs_used"] += 1
+                if node.host_mamba_ref:
+                    totals["hs_prot"] += 1
+            if node.mamba_lock_ref > node.lock_ref:
+                fail(node, f"mamba_lock_ref {node.mamba_lock_ref} > lock_ref {node.lock_ref}")
+            if node.mamba_lock_ref and node.device_state is None:
+                fail(node, "mamba_lock_ref > 0 without a device state")
+            if node.lock_ref and dp is None:
+                fail(node, "lock_ref > 0 while off device")
+            if node.lock_ref < child_lock_sum:
+                fail(node, f"lock_ref {node.lock_ref} < sum of device children's {child_lock_sum}")
+            if node.host_ref and hp is None:
+                fail(node, "host_ref > 0 without host KV")
+            if node.host_mamba_ref and node.host_state is None:
+                fail(node, "host_mamba_ref > 0 without a host state")
+            if dp is not None and node.lock_ref == 0 and dev_children == 0:
+                want_dl.add(node)
+            if node.device_state is not None and node.mamba_lock_ref == 0:
+                want_ds.add(node)
+            if hp is not None and dp is None and not node.children and node.host_ref == 0 and node.host_mamba_ref == 0:
+                want_hl.add(node)
+            if node.host_state is not None and node.host_mamba_ref == 0:
+                want_hs.add(node)
+
+        if num_nodes != self._num_nodes:
+            raise AssertionError(f"tree: num_nodes counter {self._num_nodes} != {num_nodes} reachable")
+        for qname, q, want in (
+            ("device-leaf queue", self._dev_leaves, want_dl),
+            ("device-state queue", self._dev_states, want_ds),
+            ("host-leaf queue", self._host_leaves, want_hl),
+            ("host-state queue", self._host_states, want_hs),
+        ):
+            q.check()
+            have = set(q)
+            for n in have - want:
+                raise AssertionError(f"node {n.id}: in the {qname} but does not satisfy its condition")
+            for n in want - have:
+                raise AssertionError(f"node {n.id}: satisfies the {qname} condition but is not a member")
+
+        for name, have_v, want_v in (
+            ("device_pages_used", self._dev_pages_used, totals["dp_used"]),
+            ("device_pages_protected", self._dev_pages_protected, totals["dp_prot"]),
+            ("device_states_used", self._dev_states_used, totals["ds_used"]),
+            ("device_states_protected", self._dev_states_protected, totals["ds_prot"]),
+            ("host_pages_used", self._host_pages_used, totals["hp_used"]),
+            ("host_pages_protected", self._host_pages_protected, totals["hp_prot"]),
+            ("host_states_used", self._host_states_used, totals["hs_used"]),
+            ("host_states_protected", self._host_states_protected, totals["hs_prot"]),
+        ):
+            if have_v != want_v:
+                raise AssertionError(f"tree: counter {name} is {have_v}, recomputed {want_v}")
+
+        for kind, pool, external in (
+            ("device page", self._device_kv, external_device_pages),
+            ("device slot", self._device_state, external_device_slots),
+            ("host page", self._host_kv, external_host_pages),
+            ("host slot", self._host_state, external_host_slots),
+        ):
+            owned = owner[kind]
+            if pool is None:
+                if owned or external:
+                    raise AssertionError(f"tree: {kind}s in use but there is no such pool")
+                continue
+            pool.check()
+            seen: set[int] = set()
+            for i in external:
+                if i in seen or i in owned:
+                    raise AssertionError(f"tree: external {kind} {i} is also owned elsewhere")
+                seen.add(i)
+            for i in range(pool.capacity):
+                holders = (i in owned) + (i in seen) + pool.is_free(i)
+                if holders != 1:
+                    where = f"node {owned[i]}" if i in owned else ("external" if i in seen else "nobody")
+                    raise AssertionError(f"tree: {kind} {i} is free={pool.is_free(i)} and owned by {where} ({holders} holders)")
+            for i in owned:
+                if not (0 <= i < pool.capacity):
+                    raise AssertionError(f"node {owned[i]}: {kind} {i} is out of range")
+            for i in seen:
+                if not (0 <= i < pool.capacity):
+                    raise AssertionError(f"tree: external {kind} {i} is out of range")
+
+        for op in self._pending_backups.values():
+            self._check_op_range(op._bottom, op._top, op._state_node, f"backup {op.op_id}")
+        for lop in self._pending_loads.values():
+            self._check_op_range(lop._bottom, lop._top, lop._state_node, f"load {lop.op_id}")
+
+    def _check_op_range(self, bottom: TreeNode | None, top: TreeNode, state_node: TreeNode | None, what: str) -> None:
+        n = bottom
+        while n is not None and n is not top:
+            if n.parent is None:
+                raise AssertionError(f"node {n.id}: {what} walks off the tree before its top node {top.id}")
+            if n.host_ref <= 0:
+                raise AssertionError(f"node {n.id}: {what} is pending but host_ref is {n.host_ref}")
+            n = n.parent
+        if bottom is not None and n is None:
+            raise AssertionError(f"{what}: range never reaches its top node {top.id}")
+        if state_node is not None and state_node.host_mamba_ref <= 0:
+            raise AssertionError(f"node {state_node.id}: {what} is pending but host_mamba_ref is 0")
