@@ -52,6 +52,7 @@ class Actor(Generic[M]):
         self.control = Outbox(self.ctx, cfg.endpoints.control_ipc)
         self._stopping: asyncio.Event | None = None  # created inside the loop
         self._exit_code = 0
+        self._draining = False
         self._tasks: list[asyncio.Task[Any]] = []
 
     # ------------------------------------------------------------ for subclasses
@@ -71,6 +72,13 @@ class Actor(Generic[M]):
         """Release resources before exit (optional)."""
         return None
 
+    async def drain(self) -> None:
+        """On SIGTERM, before stopping: finish or abort in-flight work (optional; bounded by
+        `drain_timeout_s`)."""
+        return None
+
+    drain_timeout_s: float = 2.0
+
     # ------------------------------------------------------------ machinery
 
     def run(self) -> int:
@@ -81,6 +89,20 @@ class Actor(Generic[M]):
         if self._stopping is not None and not self._stopping.is_set():
             self.log.info("stopping%s", f": {reason}" if reason else "")
             self._stopping.set()
+
+    def _on_sigterm(self) -> None:
+        if self._draining or self._stopping is None or self._stopping.is_set():
+            self.request_stop("signal SIGTERM")
+            return
+        self._draining = True
+        asyncio.get_running_loop().create_task(self._graceful_stop())
+
+    async def _graceful_stop(self) -> None:
+        try:
+            await asyncio.wait_for(self.drain(), self.drain_timeout_s)
+        except Exception as e:  # a timeout or a failing drain still ends in a stop
+            self.log.warning("drain did not complete: %r", e)
+        self.request_stop("signal SIGTERM")
 
     def spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         """Start a task whose unexpected failure is fatal for the service (never silently gone)."""
@@ -112,8 +134,8 @@ class Actor(Generic[M]):
         self._stopping = asyncio.Event()
         self._exit_code = 0
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop, f"signal {signal.Signals(sig).name}")
+        loop.add_signal_handler(signal.SIGINT, self.request_stop, "signal SIGINT")
+        loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
         try:
             self.inbox = Inbox(self.ctx, self._inbox_endpoint, self._inbox_type)
             # A stop request during a long start (model load, waiting for a peer) must not wait for it.

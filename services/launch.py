@@ -132,20 +132,33 @@ class Launcher:
                 return 1
 
     def _stop_all(self) -> None:
-        live = [c for c in self.children if c.proc.poll() is None]
-        for c in live:
-            try:
-                c.proc.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        """Drain in dependency order: the front door first (it stops accepting and finishes or
+        aborts what is in flight), then the cache controller (it flushes pending writes), then
+        the scheduler and the worker. Everything is gone within the grace period."""
         deadline = time.monotonic() + _STOP_GRACE_S
-        for c in live:
-            try:
-                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.log.warning("%s (pid %d) did not stop in time; killing it", c.name, c.proc.pid)
-                c.proc.kill()
-                c.proc.wait()
+        for stage, share in (({"tokenizer"}, 0.55), ({"cache"}, 0.75), ({"scheduler", "worker"}, 1.0)):
+            live = [c for c in self.children if c.name in stage and c.proc.poll() is None]
+            for c in live:
+                try:
+                    c.proc.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            stage_end = time.monotonic() + share * max(0.0, deadline - time.monotonic()) if share < 1 else deadline
+            for c in live:
+                try:
+                    c.proc.wait(timeout=max(0.0, stage_end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    if share < 1:
+                        continue  # a later stage's deadline still applies to it
+                    self._kill(c)
+        for c in self.children:
+            if c.proc.poll() is None:
+                self._kill(c)
+
+    def _kill(self, c: Child) -> None:
+        self.log.warning("%s (pid %d) did not stop in time; killing it", c.name, c.proc.pid)
+        c.proc.kill()
+        c.proc.wait()
 
 
 def _child_env() -> dict[str, str]:
