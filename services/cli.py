@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import msgspec
@@ -32,7 +34,14 @@ def resolve_model(cfg: Config) -> Config:
     path = demo_dir()
     if not (path / "config.json").exists():
         print(f"building the demo checkpoint (random weights) in {path} ...", file=sys.stderr, flush=True)
-        make_checkpoint(DEMO_ARCH, path, preset=DEMO_PRESET, seed=0)
+        # Build aside and rename, so concurrent starts never see half a checkpoint.
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+        make_checkpoint(DEMO_ARCH, tmp, preset=DEMO_PRESET, seed=0)
+        try:
+            tmp.rename(path)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
     return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, model=str(path)))
 
 

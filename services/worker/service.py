@@ -48,6 +48,16 @@ def read_eos_token_ids(model_dir: Path) -> list[int]:
     return []
 
 
+def _random_weights(model_dir: Path) -> bool:
+    """True for checkpoints made by `himamba make-model` (marked in the safetensors metadata)."""
+    from safetensors import safe_open
+
+    for path in sorted(model_dir.glob("*.safetensors"))[:1]:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("himamba_random_weights") == "true"
+    return False
+
+
 class WorkerService(Actor[ToWorker]):
     name = "worker"
 
@@ -72,7 +82,6 @@ class WorkerService(Actor[ToWorker]):
         self.state = StatePool(state_spec, plan.num_state_slots, self.device)
         layout = host_layout(self.kv, self.state, plan.num_host_pages, plan.num_host_state_slots)
         self.host = HostTransfer(self.kv, self.state, layout, self.device)
-        config = json.loads((model_dir / "config.json").read_text())
         self.info = WorkerInfo(
             vocab_size=self.model.vocab_size,
             eos_token_ids=read_eos_token_ids(model_dir),
@@ -85,7 +94,7 @@ class WorkerService(Actor[ToWorker]):
             num_host_pages=plan.num_host_pages,
             num_host_state_slots=plan.num_host_state_slots,
             model_name=cfg.model.served_model_name or model_dir.name,
-            random_weights=bool(config.get("himamba_random_weights", False)),
+            random_weights=_random_weights(model_dir),
             host_layout=layout,
         )
         for peer in (self.scheduler, self.cache, self.tokenizer):
