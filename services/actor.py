@@ -72,9 +72,8 @@ class Actor(Generic[M]):
         """Release resources before exit (optional)."""
         return None
 
-    async def drain(self) -> None:
-        """On SIGTERM, before stopping: finish or abort in-flight work (optional; bounded by
-        `drain_timeout_s`)."""
+    async def drain(self, timeout_s: float) -> None:
+        """On SIGTERM, before stopping: finish in-flight work within `timeout_s` (optional)."""
         return None
 
     drain_timeout_s: float = 2.0
@@ -99,7 +98,7 @@ class Actor(Generic[M]):
 
     async def _graceful_stop(self) -> None:
         try:
-            await asyncio.wait_for(self.drain(), self.drain_timeout_s)
+            await asyncio.wait_for(self.drain(self.drain_timeout_s), self.drain_timeout_s + 0.5)
         except Exception as e:  # a timeout or a failing drain still ends in a stop
             self.log.warning("drain did not complete: %r", e)
         self.request_stop("signal SIGTERM")

@@ -111,6 +111,9 @@ class Launcher:
         ep = self.cfg.endpoints.zmq_endpoint
         print(f"himamba is ready: model {self.cfg.model.model}; ZeroMQ clients connect to {ep}", flush=True)
         print(f'  try: himamba generate "def fibonacci(n):" --endpoint {ep}', flush=True)
+        http = self.cfg.http
+        if http.port:
+            print(f"  OpenAI-compatible API at http://{http.host}:{http.port}/v1 (metrics at /metrics, health at /health)", flush=True)
 
     def _supervise(self) -> int:
         while True:

@@ -66,6 +66,8 @@ class CacheController:
         num_host_pages: int = 0,
         num_host_slots: int = 0,
     ):
+        self.evicted_pages = 0
+        self.evicted_states = 0
         self.cfg = cfg
         self.page_size = cfg.page_size
         self.device_kv = PageAllocator(num_pages)
@@ -127,7 +129,9 @@ class CacheController:
             return []
         pages = self.device_kv.alloc(n)
         if pages is None and self.tree is not None:
-            self._order_backups(self.tree.evict(n - self.device_kv.num_free).backups)
+            r = self.tree.evict(n - self.device_kv.num_free)
+            self.evicted_pages += r.num_pages
+            self._order_backups(r.backups)
             pages = self.device_kv.alloc(n)
         return pages
 
@@ -136,7 +140,9 @@ class CacheController:
             return []
         slots = self.device_state.alloc(n)
         if slots is None and self.tree is not None:
-            self._order_backups(self.tree.evict_state(n - self.device_state.num_free).backups)
+            r = self.tree.evict_state(n - self.device_state.num_free)
+            self.evicted_states += r.num_states
+            self._order_backups(r.backups)
             slots = self.device_state.alloc(n)
         return slots
 

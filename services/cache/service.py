@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from himamba.common.config import Config
@@ -16,6 +17,19 @@ from himamba.common.messages import (
     WorkerInfo,
 )
 from himamba.common.transport import Outbox
+from himamba.common.messages import Admit, Admitted, Ready
+from himamba.common.metrics import (
+    CACHE_EVICTED_BYTES,
+    CACHE_HIT_TOKENS,
+    CACHE_KV_HIT_TOKENS,
+    CACHE_MAMBA_STATE_HITS,
+    CACHE_QUERY_TOKENS,
+    POOL_CAPACITY_BYTES,
+    POOL_EVICTABLE_BYTES,
+    POOL_PROTECTED_BYTES,
+    POOL_USED_BYTES,
+)
+from himamba.common.metrics_report import MetricsReporter, ServiceMetrics
 from himamba.services.actor import Actor
 from himamba.services.cache.controller import CacheController
 
@@ -28,6 +42,13 @@ class CacheService(Actor[ToCache]):
         self.scheduler = Outbox(self.ctx, cfg.endpoints.scheduler_ipc)
         self.ctrl: CacheController | None = None
         self._early: list[tuple[Any, list[Any]]] = []
+        self.tokenizer = Outbox(self.ctx, cfg.endpoints.tokenizer_ipc)
+        self.reporter = MetricsReporter("cache", self.tokenizer, cfg.metrics.report_interval_s)
+        self.m = self.reporter.metrics
+        self.reporter.on_collect(self._collect_metrics)
+        self._page_bytes = 0
+        self._slot_bytes = 0
+        self._evicted_seen = (0, 0)
 
     async def start(self) -> str:
         # The pools' sizes come from the worker, which knows the model; wait for it.
@@ -47,12 +68,48 @@ class CacheService(Actor[ToCache]):
             f"radix cache {'off' if c.tree is None else 'on'}"
         )
 
+    def _collect_metrics(self, m: ServiceMetrics) -> None:
+        if self.ctrl is None:
+            return
+        st = self.ctrl.stats()
+        pools = {
+            ("device", "kv"): (st.total_pages, st.free_pages, st.cached_pages, self._page_bytes),
+            ("device", "mamba"): (st.total_slots, st.free_slots, st.cached_slots, self._slot_bytes),
+            ("host", "kv"): (st.total_host_pages, st.free_host_pages, 0, self._page_bytes),
+            ("host", "mamba"): (st.total_host_slots, st.free_host_slots, 0, self._slot_bytes),
+        }
+        for (tier, kind), (total, free, cached, unit) in pools.items():
+            used = total - free
+            m[POOL_CAPACITY_BYTES].labels(tier=tier, kind=kind).set(total * unit)
+            m[POOL_USED_BYTES].labels(tier=tier, kind=kind).set(used * unit)
+            m[POOL_EVICTABLE_BYTES].labels(tier=tier, kind=kind).set(min(cached, used) * unit)
+            m[POOL_PROTECTED_BYTES].labels(tier=tier, kind=kind).set(max(0, used - cached) * unit)
+        pages, states = self.ctrl.evicted_pages, self.ctrl.evicted_states
+        m[CACHE_EVICTED_BYTES].labels(tier="device", kind="kv").inc((pages - self._evicted_seen[0]) * self._page_bytes)
+        m[CACHE_EVICTED_BYTES].labels(tier="device", kind="mamba").inc((states - self._evicted_seen[1]) * self._slot_bytes)
+        self._evicted_seen = (pages, states)
+
+    def _count_admission(self, op: Admit, res: Admitted) -> None:
+        if not op.use_cache:
+            return
+        self.m[CACHE_QUERY_TOKENS].inc(len(op.tokens))
+        for tier in ("device", "host", "storage"):
+            self.m[CACHE_HIT_TOKENS].labels(tier=tier).inc(getattr(res.cached, tier))
+        self.m[CACHE_KV_HIT_TOKENS].labels(tier="device").inc(res.cached_len + res.branch_len)
+        if res.state_src is not None and res.cached_len > 0:
+            self.m[CACHE_MAMBA_STATE_HITS].labels(tier="device").inc()
+
     async def background(self) -> None:
+        await self.tokenizer.send(Ready(service=self.name, pid=os.getpid()))
+        self.spawn(self.reporter.run(), "metrics")
         early, self._early = self._early, []
         for msg, frames in early:
             await self.handle(msg, frames)
 
     def on_worker_info(self, info: WorkerInfo) -> None:
+        self._page_bytes = info.kv_bytes_per_token * self.cfg.cache.page_size
+        self._slot_bytes = info.state_bytes_per_slot
+        self._evicted_seen = (0, 0)
         self.ctrl = CacheController(
             self.cfg.cache,
             num_pages=info.num_pages,
@@ -66,6 +123,9 @@ class CacheService(Actor[ToCache]):
         match msg:
             case CacheStep(step_id=step_id, ops=ops):
                 results = [self.ctrl.apply(op) for op in ops]
+                for op, res in zip(ops, results, strict=True):
+                    if isinstance(op, Admit) and isinstance(res, Admitted) and res.ok:
+                        self._count_admission(op, res)
                 transfers = self.ctrl.take_transfers()
                 await self.scheduler.send(CacheStepDone(step_id=step_id, results=results, transfers=transfers))
             case TransfersDone(op_ids=op_ids):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 from collections import deque
 from typing import Any
@@ -51,6 +52,16 @@ from himamba.common.messages import (
 from himamba.common.transport import Outbox
 from himamba.common.types import CachedTokens, FinishReason
 from himamba.common.wire import tensor_ref
+from himamba.common.messages import Ready
+from himamba.common.metrics import (
+    SCHEDULER_LAZY_ALLOC_FAILURES,
+    SCHEDULER_MAMBA_TRACK_SLOTS,
+    SCHEDULER_QUEUE_TIME,
+    SCHEDULER_RETRACTIONS,
+    SCHEDULER_RUNNING,
+    SCHEDULER_WAITING,
+)
+from himamba.common.metrics_report import MetricsReporter, ServiceMetrics
 from himamba.services.actor import Actor
 from himamba.services.scheduler import mamba_track
 from himamba.services.scheduler.batching import BatchPlan, pick_batch
@@ -72,6 +83,9 @@ class SchedulerService(Actor[ToScheduler]):
         self.cache = Outbox(self.ctx, cfg.endpoints.cache_ipc)
         self.tokenizer = Outbox(self.ctx, cfg.endpoints.tokenizer_ipc)
         self.info: WorkerInfo | None = None
+        self.reporter = MetricsReporter("scheduler", self.tokenizer, cfg.metrics.report_interval_s)
+        self.m = self.reporter.metrics
+        self.reporter.on_collect(self._collect_metrics)
         self.page_size = cfg.cache.page_size
         self.use_cache = not cfg.cache.disable_radix_cache
         sc = cfg.scheduler
@@ -201,8 +215,17 @@ class SchedulerService(Actor[ToScheduler]):
 
     # ------------------------------------------------------------ the loop
 
+    def _collect_metrics(self, m: ServiceMetrics) -> None:
+        m[SCHEDULER_RUNNING].set(len(self.running))
+        m[SCHEDULER_WAITING].set(len(self.waiting))
+        m[SCHEDULER_MAMBA_TRACK_SLOTS].labels(strategy=self.strategy).set(sum(len(r.track_slots) for r in self.running))
+
     async def background(self) -> None:
+        if not self._info_ready.is_set():
+            self.log.info("waiting for the worker (model load and pool sizes)")
         await self._info_ready.wait()
+        await self.tokenizer.send(Ready(service=self.name, pid=os.getpid()))
+        self.spawn(self.reporter.run(), "metrics")
         while True:
             await self._info_ready.wait()
             # Cleared before the step, so a message arriving during it is never missed.
@@ -287,6 +310,7 @@ class SchedulerService(Actor[ToScheduler]):
 
     def _lazy_failed(self, req: Req) -> None:
         self.counters["lazy_alloc_failures"] += 1
+        self.m[SCHEDULER_LAZY_ALLOC_FAILURES].inc()
         req.insert_ok = False
         self.log.info("%s: no slot for its lazy track buffer; it will not be cached", req.rid)
 
@@ -336,6 +360,8 @@ class SchedulerService(Actor[ToScheduler]):
 
     def _on_admitted(self, req: Req, res: Admitted) -> None:
         self.waiting.remove(req)
+        if req.num_retractions == 0 and req.cached is None:
+            self.m[SCHEDULER_QUEUE_TIME].observe(time.monotonic() - req.arrival)
         req.status = "running"
         req.pages = list(res.pages)
         req.slots = list(res.slots)
@@ -382,6 +408,7 @@ class SchedulerService(Actor[ToScheduler]):
         req.release_resources()
         req.status = "waiting"
         req.num_retractions += 1
+        self.m[SCHEDULER_RETRACTIONS].inc()
         self.waiting.appendleft(req)
 
     async def _run_transfers_only(self) -> None:

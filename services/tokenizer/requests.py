@@ -6,9 +6,11 @@ the server sees is `"<client identity hex>:<client rid>"`: two clients may both 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from himamba.services.tokenizer.output import RequestOutput
+from himamba.services.tokenizer.request_metrics import RequestClock
 
 
 def internal_rid(identity: bytes, client_rid: str) -> str:
@@ -24,6 +26,7 @@ class RequestEntry:
     identity: bytes
     client_rid: str
     output: RequestOutput
+    clock: RequestClock = field(default_factory=lambda: RequestClock(time.monotonic()))
 
 
 class RequestTable:

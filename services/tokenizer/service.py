@@ -5,15 +5,22 @@ Client side (`cfg.endpoints.zmq_endpoint`): decode `ClientRequest`s, validate an
 `ErrorReply` (bad input never crashes the service and is never dropped silently).
 Scheduler side (own inbox): `TokenBatch` outputs are detokenized, checked for stop strings and
 streamed back; a completed stop string sends `StopRequest` to the scheduler.
+HTTP side (`cfg.http`, see `http/server.py`): each HTTP request is an in-process client with its
+own identity (`local_clients.py`), so it takes exactly the ZeroMQ path above.
+Observability: the front door's own metrics, the other services' `MetricsReport`s (served
+together at /metrics) and their readiness (`Ready`, `WorkerInfo`, reports) for /health.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import msgspec
+from tokenizers import Tokenizer
 
 from himamba.common.config import Config
 from himamba.common.messages import (
@@ -24,20 +31,35 @@ from himamba.common.messages import (
     ErrorReply,
     GenerateChunk,
     GenerateRequest,
+    MetricsReport,
+    Ready,
     StopRequest,
     TokenBatch,
     TokenOut,
     ToTokenizer,
     WorkerInfo,
 )
+from himamba.common.metrics_report import MetricsReporter, ServiceMetrics
 from himamba.common.transport import Outbox
+from himamba.common.types import FinishReason, Usage
 from himamba.common.wire import Decoder, WireError
 from himamba.services.actor import Actor
 from himamba.services.tokenizer.client_socket import ClientGone, ClientMessage, ClientSocket
+from himamba.services.tokenizer.http.chat_template import ChatTemplate, load_chat_template
+from himamba.services.tokenizer.http.server import HttpServer
 from himamba.services.tokenizer.loader import LoadedTokenizer, load_tokenizer
+from himamba.services.tokenizer.local_clients import LocalClients, ReplyStream
 from himamba.services.tokenizer.output import RequestOutput
+from himamba.services.tokenizer.peers import PEERS, PeerTable, Readiness
 from himamba.services.tokenizer.prepare import RequestLimits, prepare_request
+from himamba.services.tokenizer.request_metrics import RequestMetrics
 from himamba.services.tokenizer.requests import RequestEntry, RequestTable, internal_rid
+
+# A peer whose metrics reports stop for this many report intervals counts as gone.
+_STALE_REPORTS = 5
+_MIN_STALE_S = 1.0
+_WAITING_LOG_EVERY_S = 10.0
+_WAITING_LOG_MAX_S = 300.0
 
 
 def _rid_of_raw(payload: bytes) -> str:
@@ -51,13 +73,24 @@ def _rid_of_raw(payload: bytes) -> str:
 
 
 class TokenizerService(Actor[ToTokenizer]):
-    """The client-facing actor: owns the tokenizer, the request table and the ROUTER socket."""
+    """The client-facing actor: owns the tokenizer, the request table, the ROUTER socket, the
+    HTTP server and the one /metrics endpoint of the server."""
 
     name = "tokenizer"
 
     def __init__(self, cfg: Config):
         super().__init__(cfg, cfg.endpoints.tokenizer_ipc, ToTokenizer)
         self.table = RequestTable()
+        self.local = LocalClients()
+        self.peers = PeerTable(max(_MIN_STALE_S, _STALE_REPORTS * cfg.metrics.report_interval_s))
+        self._reporter = MetricsReporter("tokenizer", None)
+        self.metrics: ServiceMetrics = self._reporter.metrics
+        self._request_metrics = RequestMetrics(self.metrics)
+        self.model_name = cfg.model.served_model_name or Path(cfg.model.model).name
+        self.max_context_len = cfg.model.max_context_len
+        self.chat_template: ChatTemplate | None = None
+        self._http: HttpServer | None = None
+        self._draining = False
         self._loaded: LoadedTokenizer | None = None
         self._vocab_size = 0
         self._eos_token_ids: list[int] = []
@@ -73,13 +106,22 @@ class TokenizerService(Actor[ToTokenizer]):
         self._loaded = load_tokenizer(self.cfg.model.model)
         self._vocab_size = self._loaded.vocab_size
         self._eos_token_ids = list(self._loaded.eos_token_ids)
+        try:
+            self.chat_template = load_chat_template(self.cfg.model.model)
+        except ValueError as e:  # a broken template costs chat completions, not the server
+            self.log.error("%s; /v1/chat/completions will refuse requests", e)
         self._scheduler = Outbox(self.ctx, self.cfg.endpoints.scheduler_ipc)
         self._clients = ClientSocket(self.ctx, self.cfg.endpoints.zmq_endpoint)
-        return f"vocab {self._vocab_size}, eos {self._eos_token_ids}, clients at {self.cfg.endpoints.zmq_endpoint}"
+        detail = f"vocab {self._vocab_size}, eos {self._eos_token_ids}, clients at {self.cfg.endpoints.zmq_endpoint}"
+        if self.cfg.http.port:
+            self._http = HttpServer(self, self.cfg.http, self.log)
+            detail += f", HTTP at {await self._http.start()}"
+        return detail
 
     async def background(self) -> None:
         """The client loop (the inbox loop of the base class serves the scheduler side)."""
         assert self._clients is not None
+        self.spawn(self._watch_peers(), "peers")
         while True:
             event = await self._clients.recv()
             if isinstance(event, ClientGone):
@@ -87,18 +129,87 @@ class TokenizerService(Actor[ToTokenizer]):
             else:
                 await self._on_client_message(event)
 
+    async def _watch_peers(self) -> None:
+        """Log what the front door waits for: at start, when a service goes away, and again
+        (less and less often) while it stays away."""
+        last: Readiness | None = None
+        repeat_s = _WAITING_LOG_EVERY_S
+        next_log = 0.0
+        while True:
+            state = self.readiness()
+            now = time.monotonic()
+            if state != last:
+                if state.ready:
+                    self.log.info("all services ready")
+                else:
+                    self.log.info("waiting for %s", ", ".join(state.not_ready))
+                    repeat_s, next_log = _WAITING_LOG_EVERY_S, now + _WAITING_LOG_EVERY_S
+                last = state
+            elif not state.ready and now >= next_log:
+                self.log.info("still waiting for %s", ", ".join(state.not_ready))
+                repeat_s = min(2 * repeat_s, _WAITING_LOG_MAX_S)
+                next_log = now + repeat_s
+            await asyncio.sleep(0.1)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests (503) and give the running ones up to `timeout_s` to finish.
+
+        Needs the inbox loop still running (outputs keep arriving); `stop()` aborts the rest.
+        """
+        self._draining = True
+        deadline = time.monotonic() + timeout_s
+        if self.table:
+            self.log.info("draining: waiting up to %.1fs for %d request(s)", timeout_s, len(self.table))
+        while self.table and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
     async def stop(self) -> None:
-        # Tell clients still waiting that no answer is coming, rather than leaving them hanging.
+        # Tell clients still waiting that no answer is coming, rather than leaving them hanging,
+        # and the scheduler to free what they hold (it may be stopping too: best effort).
+        for entry in self.table.entries():
+            self.table.pop(entry.rid)
+            reply = ErrorReply(message="server shutting down", rid=entry.client_rid, code=503)
+            try:
+                await self._reply(entry.identity, reply)
+                await self._send_scheduler(AbortRequest(rid=entry.rid))
+            except Exception:  # shutting down: best effort
+                pass
+        if self._http is not None:
+            await self._http.stop()
         if self._clients is not None:
-            for entry in self.table.entries():
-                reply = ErrorReply(message="server shutting down", rid=entry.client_rid, code=503)
-                try:
-                    await self._clients.send(entry.identity, self._encoder.encode(reply))
-                except Exception:  # shutting down: best effort
-                    pass
             self._clients.close()
         if self._scheduler is not None:
             self._scheduler.close()
+
+    # ------------------------------------------------------------ what the HTTP server uses
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        assert self._loaded is not None
+        return self._loaded.tokenizer
+
+    def readiness(self) -> Readiness:
+        """Whether every other service is up (the tokenizer itself is, if it can answer and is
+        not draining)."""
+        if self._draining:
+            return Readiness(False, ("tokenizer (shutting down)",))
+        return self.peers.readiness(time.monotonic())
+
+    def metrics_text(self) -> str:
+        """The whole server's metrics: the front door's own, then each peer's latest report."""
+        parts = [self._reporter.render(), *self.peers.reports(time.monotonic())]
+        return "".join(p if p.endswith("\n") else p + "\n" for p in parts)
+
+    async def open_stream(self, req: GenerateRequest) -> ReplyStream:
+        """Submit `req` as a new in-process client; its replies arrive on the returned stream."""
+        identity, queue = self.local.open()
+        stream = ReplyStream(identity, queue, self._close_local)
+        await self._dispatch(identity, req)
+        return stream
+
+    async def _close_local(self, identity: bytes) -> None:
+        if self.local.close(identity):
+            await self._on_client_gone(identity)
 
     # ------------------------------------------------------------ scheduler side
 
@@ -111,8 +222,24 @@ class TokenizerService(Actor[ToTokenizer]):
                 self._vocab_size = msg.vocab_size
                 if not self._eos_token_ids:
                     self._eos_token_ids = list(msg.eos_token_ids)
+                self._note_peer("worker", "WorkerInfo")
+            case Ready(service=service):
+                self._note_peer(service, "Ready")
+            case MetricsReport(service=service, text=text):
+                if service in PEERS:
+                    self.peers.report(service, text, time.monotonic())
+                else:
+                    self.log.warning("metrics report from unknown service %r", service)
             case _:
                 self.log.warning("unexpected message %s", type(msg).__name__)
+
+    def _note_peer(self, service: str, how: str) -> None:
+        if service in PEERS:
+            self.peers.announce(service)
+            self.log.info("%s is ready (%s)", service, how)
+
+    def _record_end(self, entry: RequestEntry, reason: FinishReason, usage: Usage | None) -> None:
+        self._request_metrics.on_finished(entry.clock, reason, usage, time.monotonic())
 
     async def _on_token_out(self, out: TokenOut) -> None:
         entry = self.table.get(out.rid)
@@ -120,19 +247,25 @@ class TokenizerService(Actor[ToTokenizer]):
             return  # already finished here (stop string, abort): late outputs are expected
         if out.error:
             self.table.pop(out.rid)
+            self._record_end(entry, "error", None)
             await self._reply(entry.identity, ErrorReply(message=out.error, rid=entry.client_rid, code=500))
             return
+        self._request_metrics.on_tokens(entry.clock, len(out.token_ids), time.monotonic())
         try:
             step = entry.output.on_token_out(out)
         except Exception as e:
             self.log.error("output of %s failed\n%s", out.rid, traceback.format_exc())
             self.table.pop(out.rid)
+            self._record_end(entry, "error", None)
             await self._send_scheduler(AbortRequest(rid=out.rid))
             error = ErrorReply(message=f"internal error: {e!r}", rid=entry.client_rid, code=500)
             await self._reply(entry.identity, error)
             return
         if step.finished:
             self.table.pop(out.rid)
+            chunk = step.chunk
+            reason = chunk.finish_reason if chunk is not None and chunk.finish_reason else "stop"
+            self._record_end(entry, reason, chunk.usage if chunk is not None else None)
         if step.stop_string_hit:
             await self._send_scheduler(StopRequest(rid=out.rid))
         if step.chunk is not None:
@@ -150,19 +283,24 @@ class TokenizerService(Actor[ToTokenizer]):
             payload = event.frames[0].bytes
             await self._reply(event.identity, ErrorReply(message=f"undecodable request: {e}", rid=_rid_of_raw(payload)))
             return
+        await self._dispatch(event.identity, msg)
+
+    async def _dispatch(self, identity: bytes, msg: GenerateRequest | AbortGenerate) -> None:
+        """Serve one client message (ZeroMQ or in-process alike)."""
         try:
             match msg:
                 case GenerateRequest():
-                    await self._on_generate(event.identity, msg)
+                    await self._on_generate(identity, msg)
                 case AbortGenerate(rid=rid):
-                    await self._on_abort(event.identity, rid)
+                    await self._on_abort(identity, rid)
         except Exception as e:  # a bug here must cost one request, not the front door
             self.log.error("client request failed\n%s", traceback.format_exc())
             rid = getattr(msg, "rid", "")
-            entry = self.table.pop(internal_rid(event.identity, rid))
+            entry = self.table.pop(internal_rid(identity, rid))
             if entry is not None:
+                self._record_end(entry, "error", None)
                 await self._send_scheduler(AbortRequest(rid=entry.rid))
-            await self._reply(event.identity, ErrorReply(message=f"internal error: {e!r}", rid=rid, code=500))
+            await self._reply(identity, ErrorReply(message=f"internal error: {e!r}", rid=rid, code=500))
 
     def _auto_rid(self, identity: bytes) -> str:
         while True:
@@ -175,6 +313,9 @@ class TokenizerService(Actor[ToTokenizer]):
         assert self._loaded is not None
         client_rid = req.rid or self._auto_rid(identity)
         rid = internal_rid(identity, client_rid)
+        if self._draining:
+            await self._reply(identity, ErrorReply(message="server shutting down", rid=client_rid, code=503))
+            return
         if rid in self.table:
             error = ErrorReply(message=f"rid {client_rid!r} is already in flight", rid=client_rid, code=409)
             await self._reply(identity, error)
@@ -212,13 +353,16 @@ class TokenizerService(Actor[ToTokenizer]):
             await self._reply(identity, error)
             return
         await self._send_scheduler(AbortRequest(rid=entry.rid))
-        await self._reply(identity, entry.output.finish("abort"))
+        final = entry.output.finish("abort")
+        self._record_end(entry, "abort", final.usage)
+        await self._reply(identity, final)
 
     async def _on_client_gone(self, identity: bytes) -> None:
         entries = self.table.pop_client(identity)
         if entries:
             self.log.info("client %s went away: aborting %d request(s)", identity.hex(), len(entries))
         for entry in entries:
+            self._record_end(entry, "abort", None)
             await self._send_scheduler(AbortRequest(rid=entry.rid))
 
     # ------------------------------------------------------------ sending
@@ -228,6 +372,9 @@ class TokenizerService(Actor[ToTokenizer]):
         await self._scheduler.send(msg)
 
     async def _reply(self, identity: bytes, reply: GenerateChunk | ErrorReply) -> None:
+        if identity in self.local:
+            self.local.deliver(identity, reply)
+            return
         assert self._clients is not None
         if not await self._clients.send(identity, self._encoder.encode(reply)):
             await self._on_client_gone(identity)

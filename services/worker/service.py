@@ -8,6 +8,7 @@ controller reuse a page right after ordering it copied elsewhere.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,9 @@ from himamba.common.messages import (
 )
 from himamba.common.transport import Outbox
 from himamba.common.wire import WireError, tensor_ref
+from himamba.common.messages import Ready
+from himamba.common.metrics import WORKER_STEP_TIME, WORKER_STEP_TOKENS
+from himamba.common.metrics_report import MetricsReporter
 from himamba.services.actor import Actor
 from himamba.services.worker.host_transfer import HostTransfer, host_layout
 from himamba.services.worker.loader import load_model
@@ -67,6 +71,8 @@ class WorkerService(Actor[ToWorker]):
         self.scheduler = Outbox(self.ctx, cfg.endpoints.scheduler_ipc)
         self.cache = Outbox(self.ctx, cfg.endpoints.cache_ipc)
         self.tokenizer = Outbox(self.ctx, cfg.endpoints.tokenizer_ipc)
+        self.reporter = MetricsReporter("worker", self.tokenizer, cfg.metrics.report_interval_s)
+        self.m = self.reporter.metrics
 
     async def start(self) -> str:
         cfg = self.cfg
@@ -109,6 +115,10 @@ class WorkerService(Actor[ToWorker]):
             f"host {plan.num_host_pages} pages, {plan.num_host_state_slots} state slots"
         )
 
+    async def background(self) -> None:
+        await self.tokenizer.send(Ready(service=self.name, pid=os.getpid()))
+        await self.reporter.run()
+
     async def handle(self, msg: ToWorker, frames: list[Any]) -> None:
         match msg:
             case RunBatch():
@@ -139,6 +149,8 @@ class WorkerService(Actor[ToWorker]):
             logits=result.logits,
         )
         await self.scheduler.send(result, tensors)
+        self.m[WORKER_STEP_TIME].labels(mode=msg.mode).observe(time.perf_counter() - t0)
+        self.m[WORKER_STEP_TOKENS].labels(mode=msg.mode).inc(sum(q.new_len for q in msg.seqs))
         if done_ops:
             await self.cache.send(TransfersDone(op_ids=done_ops))
 

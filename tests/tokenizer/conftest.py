@@ -180,6 +180,7 @@ def server(model_dir: Path, demo_tokenizer: Tokenizer) -> Iterator[Server]:
                 "control_ipc": endpoints["control"],
             },
             "log": {"level": "warning"},
+            "http": {"port": 0},  # ZeroMQ only here; tests/http covers the HTTP server
         }
     )
     ctx = zmq.Context()

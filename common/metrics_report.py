@@ -1,0 +1,100 @@
+"""A service's own Prometheus registry, and the loop that reports it to the tokenizer.
+
+Each service keeps a private CollectorRegistry holding only the families it owns
+(`metrics.metrics_of(service)`), every label combination created at zero. Every
+`interval_s` it renders the registry in the text format and sends it as a `MetricsReport`
+to the tokenizer, which serves it at `/metrics` beside its own: one scrape target per
+server, no shared files (prometheus_client's multiprocess mode needs a shared directory
+and cannot tell which process owns a gauge).
+
+    reporter = MetricsReporter("cache", Outbox(ctx, cfg.endpoints.tokenizer_ipc), 1.0)
+    reporter.on_collect(lambda m: m[POOL_USED_BYTES].labels(tier="device", kind="kv").set(n))
+    actor.spawn(reporter.run(), "metrics")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from himamba.common.messages import MetricsReport
+from himamba.common.metrics import MetricDef, Service, metrics_of
+from himamba.common.transport import Outbox
+
+Metric = Counter | Gauge | Histogram
+
+
+def _make(defn: MetricDef, registry: CollectorRegistry) -> Metric:
+    if defn.type == "counter":
+        return Counter(defn.name, defn.help, defn.labels, registry=registry)
+    if defn.type == "gauge":
+        return Gauge(defn.name, defn.help, defn.labels, registry=registry)
+    return Histogram(defn.name, defn.help, defn.labels, registry=registry, buckets=defn.buckets)
+
+
+class ServiceMetrics:
+    """The live metric objects of one service, looked up by definition: `m[CACHE_QUERY_TOKENS].inc(n)`."""
+
+    def __init__(self, service: Service, registry: CollectorRegistry):
+        self.service = service
+        self._by_name: dict[str, Metric] = {}
+        for defn in metrics_of(service):
+            metric = _make(defn, registry)
+            # Create every labelled child now, so each series exists (at zero) from the start.
+            for values in itertools.product(*(defn.values_of(label) for label in defn.labels)):
+                if values:
+                    metric.labels(*values)
+            self._by_name[defn.name] = metric
+
+    def __getitem__(self, defn: MetricDef) -> Metric:
+        try:
+            return self._by_name[defn.name]
+        except KeyError:
+            raise ValueError(f"metric {defn.name} is owned by {defn.service}, not {self.service}") from None
+
+
+class MetricsReporter:
+    """One service's registry plus the periodic `MetricsReport` to the tokenizer.
+
+    `outbox` is None for the tokenizer itself (it serves its registry directly).
+    Callbacks given to `on_collect` run before every render: the place to refresh gauges
+    that are cheaper to read on demand than to keep up to date (pool occupancy).
+    """
+
+    def __init__(self, service: Service, outbox: Outbox | None, interval_s: float = 1.0):
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.service = service
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.metrics = ServiceMetrics(service, self.registry)
+        self._outbox = outbox
+        self._interval_s = interval_s
+        self._collectors: list[Callable[[ServiceMetrics], None]] = []
+
+    def on_collect(self, fn: Callable[[ServiceMetrics], None]) -> None:
+        """Run `fn(metrics)` before each render."""
+        self._collectors.append(fn)
+
+    def render(self) -> str:
+        """The registry in the Prometheus text format (after the on_collect callbacks)."""
+        for fn in self._collectors:
+            fn(self.metrics)
+        return generate_latest(self.registry).decode("utf-8")
+
+    def report(self) -> MetricsReport:
+        return MetricsReport(service=self.service, text=self.render())
+
+    async def report_now(self) -> None:
+        """Send the current metrics to the tokenizer now (e.g. right after becoming ready)."""
+        if self._outbox is not None:
+            await self._outbox.send(self.report())
+
+    async def run(self) -> None:
+        """Report every `interval_s` until cancelled. Start it once the service is ready:
+        a report also tells the tokenizer that its sender is alive and ready."""
+        while True:
+            await self.report_now()
+            await asyncio.sleep(self._interval_s)

@@ -1,0 +1,190 @@
+"""The OpenAI request bodies we accept, and their translation into a `GenerateRequest`.
+
+Fields follow OpenAI's API (unknown fields are ignored, as OpenAI-compatible servers do), plus
+the extensions vLLM users rely on: `ignore_eos`, `top_k`, `min_p`, `repetition_penalty`,
+`stop_token_ids`, `return_token_ids`. Types are checked here (the error names the field);
+ranges are checked by the same code that checks ZeroMQ requests.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import msgspec
+
+from himamba.common.types import SamplingParams
+from himamba.services.tokenizer.http.errors import ApiError
+
+
+class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Body(msgspec.Struct, frozen=True, kw_only=True):
+    """Fields common to /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None  # None: OpenAI's default 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extensions (vLLM's names)
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    return_token_ids: bool = False
+
+
+class CompletionBody(_Body, frozen=True, kw_only=True):
+    """POST /v1/completions."""
+
+    prompt: str | list[Any]
+    logprobs: int | None = None  # only 0: the chosen tokens' logprobs
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatBody(_Body, frozen=True, kw_only=True):
+    """POST /v1/chat/completions. `messages` stay plain JSON: the chat template reads them."""
+
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # extension (vLLM)
+    chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM)
+
+
+def decode_body(raw: bytes, body_type: type[CompletionBody] | type[ChatBody]) -> tuple[Any, dict[str, Any]]:
+    """Parse a JSON body into `body_type`; returns (typed body, the plain JSON object)."""
+    try:
+        obj = msgspec.json.decode(raw)
+    except msgspec.DecodeError as e:
+        raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        return msgspec.convert(obj, body_type), obj
+    except msgspec.ValidationError as e:
+        text = str(e)
+        param = text.rsplit("`$.", 1)[1].rstrip("`") if "`$." in text else None
+        if param is not None:
+            param = param.split("[", 1)[0].split(".", 1)[0]
+        missing = "Object missing required field `"
+        if text.startswith(missing):
+            param = text[len(missing) :].split("`", 1)[0]
+        raise ApiError(400, f"invalid request: {text}", param=param, code="invalid_type") from None
+
+
+def _check_common(body: _Body) -> None:
+    if body.n != 1:
+        raise ApiError(400, f"n must be 1 (several choices per request are not supported), got {body.n}", param="n")
+    if body.logit_bias:
+        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def sampling_of(body: _Body, max_tokens: int | None, logprobs: bool) -> SamplingParams:
+    """The SamplingParams a body asks for (ranges are checked later, with ZeroMQ requests')."""
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        seed=body.seed,
+        stop=_stops(body.stop),
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+        repetition_penalty=body.repetition_penalty,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        logprobs=logprobs,
+    )
+
+
+class CompletionPrompt(NamedTuple):
+    """A completion prompt: text, or token ids."""
+
+    text: str | None
+    token_ids: list[int] | None
+
+
+def completion_prompt(body: CompletionBody) -> CompletionPrompt:
+    """The one prompt of a completions body (a string, a list of ids, or a batch of one of them)."""
+    prompt: Any = body.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return CompletionPrompt(prompt, None)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return CompletionPrompt(None, list(prompt))
+    if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
+        raise ApiError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
+    raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
+
+
+def check_completion(body: CompletionBody) -> bool:
+    """Refuse what we do not support; returns whether the chosen tokens' logprobs are wanted."""
+    _check_common(body)
+    if body.echo:
+        raise ApiError(400, "echo is not supported", param="echo")
+    if body.best_of not in (None, 1):
+        raise ApiError(400, f"best_of must be 1, got {body.best_of}", param="best_of")
+    if body.suffix:
+        raise ApiError(400, "suffix is not supported", param="suffix")
+    if body.logprobs is not None and body.logprobs != 0:
+        raise ApiError(
+            400, "only the chosen tokens' logprobs are returned: logprobs must be 0 or null", param="logprobs"
+        )
+    return body.logprobs is not None
+
+
+def _content_text(content: Any, index: int) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ApiError(400, f"messages[{index}].content: only text parts are supported", param="messages")
+            parts.append(part["text"])
+        return "\n".join(parts)
+    raise ApiError(400, f"messages[{index}].content must be a string or a list of text parts", param="messages")
+
+
+def chat_messages(body: ChatBody) -> list[dict[str, Any]]:
+    """The conversation as the template expects it: roles checked, text parts joined into strings."""
+    _check_common(body)
+    if body.top_logprobs not in (None, 0):
+        raise ApiError(400, "top_logprobs is not supported (only the chosen tokens' logprobs)", param="top_logprobs")
+    if body.response_format is not None and body.response_format.get("type", "text") != "text":
+        raise ApiError(400, "response_format other than text is not supported", param="response_format")
+    if not body.messages:
+        raise ApiError(400, "messages must be non-empty", param="messages")
+    out = []
+    for i, msg in enumerate(body.messages):
+        role = msg.get("role")
+        if not isinstance(role, str) or not role:
+            raise ApiError(400, f"messages[{i}].role must be a non-empty string", param="messages")
+        out.append({**msg, "content": _content_text(msg.get("content"), i)})
+    return out

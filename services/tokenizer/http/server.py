@@ -1,0 +1,315 @@
+"""The HTTP front door: OpenAI-compatible endpoints, /health and /metrics, on the tokenizer's loop.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], GET /health
+(200 only when every service is ready), GET /metrics (all services' metrics, one target).
+Every generation goes through the front door's own request path (`FrontDoor.open_stream`), so
+HTTP and ZeroMQ clients behave the same; a client that disconnects aborts its request.
+Errors use OpenAI's shape. With an API key set, /v1/* requires `Authorization: Bearer <key>`;
+/health and /metrics stay open (probes and scrapers carry no key).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+from typing import Any, Protocol
+
+import msgspec
+from aiohttp import web
+from tokenizers import Tokenizer
+
+from himamba.common.config import HttpConfig
+from himamba.common.messages import ErrorReply, GenerateChunk, GenerateRequest
+from himamba.common.metrics import HTTP_RESPONSES
+from himamba.common.metrics_report import ServiceMetrics
+from himamba.services.tokenizer.http.bodies import (
+    ChatBody,
+    CompletionBody,
+    chat_messages,
+    check_completion,
+    completion_prompt,
+    decode_body,
+    sampling_of,
+)
+from himamba.services.tokenizer.http.chat_template import ChatTemplate, TemplateError
+from himamba.services.tokenizer.http.errors import ApiError, param_of_message
+from himamba.services.tokenizer.http.responses import Kind, ResponseBuilder
+from himamba.services.tokenizer.local_clients import ReplyStream
+from himamba.services.tokenizer.peers import Readiness
+
+_ROUTES = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat_completions",
+    "/v1/models": "models",
+    "/health": "health",
+    "/metrics": "metrics",
+}
+_KNOWN_STATUS = {400, 404, 409, 500, 503}
+_BYTES_PER_CONTEXT_TOKEN = 64  # body size limit: generous for text or JSON token ids of a full context
+_SHUTDOWN_TIMEOUT_S = 2.0
+
+
+class FrontDoor(Protocol):
+    """What the HTTP server needs from the tokenizer service."""
+
+    model_name: str
+    max_context_len: int
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None
+    metrics: ServiceMetrics
+
+    def readiness(self) -> Readiness: ...
+
+    def metrics_text(self) -> str: ...
+
+    async def open_stream(self, req: GenerateRequest) -> ReplyStream: ...
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json")
+
+
+def _error_response(err: ApiError) -> web.Response:
+    return _json(err.body(), err.status)
+
+
+def _reply_error(reply: ErrorReply) -> ApiError:
+    status = reply.code if reply.code in _KNOWN_STATUS else 500
+    param = param_of_message(reply.message) if status == 400 else None
+    return ApiError(status, reply.message, param=param)
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+class HttpServer:
+    """aiohttp application bound to `cfg.host:cfg.port` on the running (uvloop) event loop."""
+
+    def __init__(self, door: FrontDoor, cfg: HttpConfig, log: logging.Logger):
+        self.door = door
+        self.cfg = cfg
+        self.log = log
+        self._created = int(time.time())
+        max_body = max(1 << 20, _BYTES_PER_CONTEXT_TOKEN * door.max_context_len)
+        self.app = web.Application(client_max_size=max_body, middlewares=[self._middleware])
+        self.app.router.add_post("/v1/completions", self.completions)
+        self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/v1/models/{model}", self.model)
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/metrics", self.metrics)
+        self._runner: web.AppRunner | None = None
+        self.port = cfg.port
+
+    async def start(self) -> str:
+        """Bind and serve; returns the base URL."""
+        # handler_cancellation: a client that goes away cancels its handler, which aborts the request.
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, shutdown_timeout=_SHUTDOWN_TIMEOUT_S, access_log=None
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
+        await site.start()
+        return f"http://{self.cfg.host}:{self.cfg.port}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # ------------------------------------------------------------ middleware
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        route = _ROUTES.get(request.path, "models" if request.path.startswith("/v1/models/") else "other")
+        try:
+            if request.path.startswith("/v1/"):
+                self._check_api_key(request)
+            response = await handler(request)
+        except ApiError as e:
+            response = _error_response(e)
+        except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method, body too large
+            if e.status < 400:
+                raise
+            code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
+            response = _error_response(ApiError(e.status, f"{e.reason}: {request.method} {request.path}", code=code))
+        status = f"{min(max(response.status // 100, 2), 5)}xx"
+        if status in ("2xx", "4xx", "5xx"):
+            self.door.metrics[HTTP_RESPONSES].labels(route=route, status=status).inc()
+        return response
+
+    def _check_api_key(self, request: web.Request) -> None:
+        if not self.cfg.api_key:
+            return
+        header = request.headers.get("Authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.cfg.api_key.encode()):
+            raise ApiError(
+                401, "invalid or missing API key (send `Authorization: Bearer <key>`)", code="invalid_api_key"
+            )
+
+    # ------------------------------------------------------------ simple routes
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.door.model_name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "himamba",
+            "max_model_len": self.door.max_context_len,
+        }
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        self._check_model(request.match_info["model"])
+        return _json(self._model_card())
+
+    async def health(self, request: web.Request) -> web.Response:
+        state = self.door.readiness()
+        if state.ready:
+            return _json({"status": "ok"})
+        message = f"not ready: waiting for {', '.join(state.not_ready)}"
+        raise ApiError(503, message, code="not_ready")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        # prometheus_client's text format 0.0.4
+        return web.Response(
+            body=self.door.metrics_text().encode("utf-8"),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.door.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist", param="model", code="model_not_found")
+
+    # ------------------------------------------------------------ generation
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body, _ = decode_body(await request.read(), CompletionBody)
+        self._check_model(body.model)
+        logprobs = check_completion(body)
+        prompt = completion_prompt(body)
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        req = GenerateRequest(
+            rid=response_id,
+            prompt=prompt.text,
+            input_ids=prompt.token_ids,
+            sampling=sampling_of(body, body.max_tokens, logprobs),
+            stream=body.stream,
+        )
+        builder = self._builder("completion", response_id, body.return_token_ids, logprobs, prompt.token_ids)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return await self._serve(request, req, builder, include_usage)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body, _ = decode_body(await request.read(), ChatBody)
+        self._check_model(body.model)
+        messages = chat_messages(body)
+        template = self.door.chat_template
+        if template is None:
+            raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
+        try:
+            text = template.render(
+                messages,
+                add_generation_prompt=body.add_generation_prompt,
+                tools=body.tools,
+                extra=body.chat_template_kwargs,
+            )
+        except TemplateError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        # The template writes the special tokens itself (as HF's apply_chat_template does).
+        input_ids = self.door.tokenizer.encode(text, add_special_tokens=False).ids
+        if not input_ids:
+            raise ApiError(400, "the chat template rendered an empty prompt", param="messages")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        req = GenerateRequest(
+            rid=response_id,
+            input_ids=input_ids,
+            sampling=sampling_of(body, max_tokens, body.logprobs),
+            stream=body.stream,
+        )
+        builder = self._builder("chat", response_id, body.return_token_ids, body.logprobs, input_ids)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return await self._serve(request, req, builder, include_usage)
+
+    def _builder(
+        self, kind: Kind, response_id: str, return_token_ids: bool, logprobs: bool, prompt_ids: list[int] | None
+    ) -> ResponseBuilder:
+        return ResponseBuilder(
+            kind,
+            response_id=response_id,
+            created=int(time.time()),
+            model=self.door.model_name,
+            tokenizer=self.door.tokenizer,
+            return_token_ids=return_token_ids,
+            logprobs=logprobs,
+            prompt_token_ids=prompt_ids,
+        )
+
+    async def _serve(
+        self, request: web.Request, req: GenerateRequest, builder: ResponseBuilder, include_usage: bool
+    ) -> web.StreamResponse:
+        stream = await self.door.open_stream(req)
+        try:
+            # Refusals (validation, prompt too long) are answered at once: a plain error status.
+            first = stream.ready_nowait()
+            if isinstance(first, ErrorReply):
+                raise _reply_error(first)
+            if not req.stream:
+                reply = first if first is not None else await stream.next()
+                if isinstance(reply, ErrorReply):
+                    raise _reply_error(reply)
+                assert reply.finished, "a stream=False request has one, finished, chunk"
+                return _json(builder.whole(reply))
+            return await self._stream(request, stream, first, builder, include_usage)
+        finally:
+            await stream.close()
+
+    async def _stream(
+        self,
+        request: web.Request,
+        stream: ReplyStream,
+        first: GenerateChunk | None,
+        builder: ResponseBuilder,
+        include_usage: bool,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+        await response.prepare(request)
+        try:
+            await self._write_events(response, stream, first, builder, include_usage)
+        except ConnectionResetError:
+            pass  # the client went away: closing the stream aborts the request
+        return response
+
+    async def _write_events(
+        self,
+        response: web.StreamResponse,
+        stream: ReplyStream,
+        first: GenerateChunk | None,
+        builder: ResponseBuilder,
+        include_usage: bool,
+    ) -> None:
+        reply = first if first is not None else await stream.next()
+        while True:
+            if isinstance(reply, ErrorReply):
+                # Headers are gone already: the error travels as an event, as OpenAI does.
+                await response.write(_sse(_reply_error(reply).body()))
+                break
+            event = builder.delta(reply, include_usage)
+            if event is not None:
+                await response.write(_sse(event))
+            if reply.finished:
+                if include_usage and reply.usage is not None:
+                    await response.write(_sse(builder.usage_chunk(reply.usage)))
+                break
+            reply = await stream.next()
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()

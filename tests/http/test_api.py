@@ -1,0 +1,258 @@
+"""The OpenAI-compatible endpoints against a TokenizerService with a fake scheduler."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from typing import Any
+
+import pytest
+
+from himamba.common.messages import AbortRequest, AddRequest, StopRequest
+
+Harness = Any  # tests/http/conftest.py's Harness (conftest modules are not importable)
+_CONTEXT_LEN = 64  # the harness's max_context_len
+
+
+def _sse_events(resp: http.client.HTTPResponse) -> list[Any]:
+    """Read a whole SSE body: the decoded `data:` payloads, "[DONE]" kept as a string."""
+    events: list[Any] = []
+    for raw in resp.read().decode().split("\n\n"):
+        if not raw.strip():
+            continue
+        assert raw.startswith("data: "), raw
+        payload = raw[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def _stream(h: Harness, path: str, body: dict[str, Any]) -> tuple[http.client.HTTPResponse, list[Any]]:
+    conn = http.client.HTTPConnection("127.0.0.1", h.port, timeout=30)
+    conn.request("POST", path, json.dumps(body), {"Authorization": f"Bearer {h.api_key}"})
+    resp = conn.getresponse()
+    events = _sse_events(resp)
+    conn.close()
+    return resp, events
+
+
+def _add_for(h: Harness, prompt_ids: list[int]) -> AddRequest:
+    return h.scheduler.wait_for(lambda m: isinstance(m, AddRequest) and m.input_ids == prompt_ids)
+
+
+def test_models_lists_the_served_model(harness: Harness):
+    r = harness.get("/v1/models")
+    assert r.status == 200
+    body = r.json()
+    assert body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == [harness.model_name]
+    assert body["data"][0]["max_model_len"] == harness.max_context_len
+    assert harness.get(f"/v1/models/{harness.model_name}").json()["id"] == harness.model_name
+    assert harness.get("/v1/models/other").status == 404
+
+
+def test_completion_whole_answer_with_usage_by_tier(harness: Harness):
+    r = harness.post("/v1/completions", {"model": harness.model_name, "prompt": "def f(x):"})
+    assert r.status == 200, r.body
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == harness.model_name
+    assert body["id"].startswith("cmpl-")
+    (choice,) = body["choices"]
+    assert choice["text"] == harness.reply_text
+    assert choice["finish_reason"] == "length"
+    prompt_ids = harness.tokenizer.encode("def f(x):").ids
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == len(prompt_ids)
+    assert usage["completion_tokens"] == len(harness.scheduler.reply_ids)
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    details = usage["prompt_tokens_details"]
+    assert details["cached_tokens"] == harness.cached.total
+    assert details["cached_tokens_by_tier"] == {
+        "device": harness.cached.device,
+        "host": harness.cached.host,
+        "storage": harness.cached.storage,
+    }
+    add = _add_for(harness, prompt_ids)
+    assert add.sampling.temperature == 1.0  # OpenAI's default when the body has none
+
+
+def test_token_id_prompt_and_vllm_extensions_reach_the_scheduler(harness: Harness):
+    ids = harness.tokenizer.encode("import os").ids
+    body = {
+        "prompt": ids,
+        "max_tokens": 3,
+        "temperature": 0,
+        "top_k": 5,
+        "min_p": 0.1,
+        "repetition_penalty": 1.2,
+        "ignore_eos": True,
+        "stop_token_ids": [7],
+        "seed": 11,
+        "return_token_ids": True,
+    }
+    r = harness.post("/v1/completions", body)
+    assert r.status == 200, r.body
+    out = r.json()
+    assert out["prompt_token_ids"] == ids
+    assert out["choices"][0]["token_ids"] == harness.scheduler.reply_ids[:3]
+    assert out["choices"][0]["finish_reason"] == "length"
+    s = _add_for(harness, ids).sampling
+    assert (s.max_tokens, s.temperature, s.top_k, s.min_p, s.repetition_penalty) == (3, 0.0, 5, 0.1, 1.2)
+    assert (s.ignore_eos, s.stop_token_ids, s.seed) == (True, [7], 11)
+
+
+def test_batch_of_one_prompt_is_accepted(harness: Harness):
+    r = harness.post("/v1/completions", {"prompt": ["class A:"], "max_tokens": 2, "temperature": 0})
+    assert r.status == 200, r.body
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_stop_string_cuts_the_text_and_stops_the_request(harness: Harness):
+    r = harness.post("/v1/completions", {"prompt": "print(1)", "stop": "wörld", "temperature": 0})
+    assert r.status == 200, r.body
+    choice = r.json()["choices"][0]
+    assert choice["text"] == harness.reply_text[: harness.reply_text.index("wörld")]
+    assert choice["finish_reason"] == "stop"
+    add = _add_for(harness, harness.tokenizer.encode("print(1)").ids)
+    harness.scheduler.wait_for(lambda m: isinstance(m, StopRequest) and m.rid == add.rid)
+
+
+def test_streamed_completion_is_sse_with_done_and_usage(harness: Harness):
+    body = {"prompt": "x = 1", "stream": True, "temperature": 0, "stream_options": {"include_usage": True}}
+    resp, events = _stream(harness, "/v1/completions", body)
+    assert resp.status == 200
+    assert resp.getheader("Content-Type", "").startswith("text/event-stream")
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    *deltas, usage_chunk = chunks
+    assert "".join(c["choices"][0]["text"] for c in deltas) == harness.reply_text
+    assert [c["choices"][0]["finish_reason"] for c in deltas][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in deltas[:-1])
+    assert len({c["id"] for c in chunks}) == 1
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["prompt_tokens_details"]["cached_tokens"] == harness.cached.total
+
+
+def test_chat_completion_renders_the_template_like_hf(harness: Harness):
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    ]
+    r = harness.post("/v1/chat/completions", {"model": harness.model_name, "messages": messages, "temperature": 0})
+    assert r.status == 200, r.body
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": harness.reply_text}
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens_by_tier"]["host"] == harness.cached.host
+    # bos_token / eos_token come from tokenizer_config.json; the template's tokens are not doubled.
+    text = "<|system|><|system|>\nbe brief<|endoftext|>\n<|user|>\nhi<|endoftext|>\n<|assistant|>\n"
+    _add_for(harness, harness.tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def test_streamed_chat_starts_with_the_role_and_ends_with_done(harness: Harness):
+    body = {"messages": [{"role": "user", "content": "stream please"}], "stream": True, "max_completion_tokens": 4}
+    resp, events = _stream(harness, "/v1/chat/completions", body)
+    assert resp.status == 200 and events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == harness.tokenizer.decode(harness.scheduler.reply_ids[:4])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_logprobs_of_the_chosen_tokens(harness: Harness):
+    r = harness.post("/v1/completions", {"prompt": "lp", "max_tokens": 3, "logprobs": 0, "temperature": 0})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == [-0.5, -1.5, -2.5]
+    assert lp["tokens"] == [harness.tokenizer.decode([t]) for t in harness.scheduler.reply_ids[:3]]
+    assert lp["text_offset"][0] == 0
+    r = harness.post(
+        "/v1/chat/completions", {"messages": [{"role": "user", "content": "lp"}], "max_tokens": 2, "logprobs": True}
+    )
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == [-0.5, -1.5]
+
+
+def _assert_error(r: Any, status: int, param: str | None = None) -> dict[str, Any]:
+    assert r.status == status, (r.status, r.body)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+        ({"prompt": 12}, 400, "prompt"),
+        ({"max_tokens": 3}, 400, "prompt"),
+        ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "x", "n": 2}, 400, "n"),
+        ({"prompt": "x", "logprobs": 3}, 400, "logprobs"),
+        ({"prompt": ["a", "b"]}, 400, "prompt"),
+        ({"prompt": [1, "a"]}, 400, "prompt"),
+        ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+        ({"prompt": list(range(1, _CONTEXT_LEN + 1))}, 400, None),  # too long for the context
+        ({"prompt": [10**9]}, 400, None),  # a token id out of the vocabulary
+    ],
+)
+def test_bad_completion_bodies_get_openai_errors(
+    harness: Harness, body: dict[str, Any], status: int, param: str | None
+):
+    assert harness.max_context_len == _CONTEXT_LEN
+    _assert_error(harness.post("/v1/completions", body), status, param)
+
+
+def test_malformed_and_oversized_bodies(harness: Harness):
+    err = _assert_error(harness.post("/v1/completions", raw=b'{"prompt": "x",'), 400)
+    assert err["code"] == "invalid_json"
+    _assert_error(harness.post("/v1/completions", raw=b'["prompt"]'), 400)
+    _assert_error(harness.post("/v1/chat/completions", {"messages": []}), 400, "messages")
+    _assert_error(harness.post("/v1/chat/completions", {"messages": [{"content": "no role"}]}), 400, "messages")
+    _assert_error(harness.post("/v1/completions", raw=b'{"prompt": "' + b"a" * (2 << 20) + b'"}'), 413)
+
+
+def test_api_key_is_required_on_v1_only(harness: Harness):
+    assert _assert_error(harness.get("/v1/models", key=None), 401)["code"] == "invalid_api_key"
+    _assert_error(harness.post("/v1/completions", {"prompt": "x"}, key="wrong"), 401)
+    assert harness.get("/metrics", key=None).status == 200
+    assert harness.get("/health", key=None).status in (200, 503)
+
+
+def test_unknown_routes_and_methods(harness: Harness):
+    _assert_error(harness.get("/v1/nothing"), 404)
+    _assert_error(harness.get("/v1/completions"), 405)
+
+
+def test_server_keeps_serving_after_errors(harness: Harness):
+    for _ in range(3):
+        harness.post("/v1/completions", raw=b"{nope")
+    r = harness.post("/v1/completions", {"prompt": "still alive", "max_tokens": 2})
+    assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_client_disconnect_mid_stream_aborts_the_request(harness: Harness):
+    conn = http.client.HTTPConnection("127.0.0.1", harness.port, timeout=30)
+    body = {"prompt": "hold the line", "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Authorization": f"Bearer {harness.api_key}"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    line = resp.readline()  # the first event: the request is running
+    first = json.loads(line.decode()[len("data: ") :])
+    conn.sock.close()  # type: ignore[union-attr]
+    conn.close()
+    harness.scheduler.wait_for(lambda m: isinstance(m, AbortRequest) and m.rid.endswith(":" + first["id"]))
+
+
+def test_client_disconnect_while_waiting_for_a_whole_answer_aborts(harness: Harness):
+    conn = http.client.HTTPConnection("127.0.0.1", harness.port, timeout=30)
+    conn.request(
+        "POST", "/v1/completions", json.dumps({"prompt": "hold still"}), {"Authorization": f"Bearer {harness.api_key}"}
+    )
+    add = _add_for(harness, harness.tokenizer.encode("hold still").ids)
+    conn.sock.close()  # type: ignore[union-attr]
+    conn.close()
+    harness.scheduler.wait_for(lambda m: isinstance(m, AbortRequest) and m.rid == add.rid)

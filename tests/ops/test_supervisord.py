@@ -1,0 +1,167 @@
+"""Real supervisord with configs/supervisord.conf: the four services come up in any order and
+serve; the worker is killed, supervisord restarts it, and the server serves again."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = ("worker", "cache", "scheduler", "tokenizer")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Supervised:
+    proc: subprocess.Popen[bytes]
+    conf: Path
+    port: int
+    log_dir: Path
+    env: dict[str, str]
+
+    def ctl(self, *args: str) -> str:
+        cmd = [sys.executable, "-m", "supervisor.supervisorctl", "-c", str(self.conf), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, env=self.env, timeout=30).stdout
+
+    def pid(self, name: str) -> int:
+        return int(self.ctl("pid", f"himamba:{name}").strip() or 0)
+
+    def log(self, name: str) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def complete(self, prompt: str) -> dict:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            body = {"prompt": prompt, "max_tokens": 3, "temperature": 0}
+            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = resp.read()
+        finally:
+            conn.close()
+        assert resp.status == 200, data
+        return json.loads(data)
+
+    def wait_serving(self, prompt: str, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self.complete(prompt)
+            except (OSError, AssertionError, http.client.HTTPException):
+                if time.monotonic() > deadline:
+                    logs = "\n".join(f"--- {n}\n{self.log(n)[-2000:]}" for n in SERVICES)
+                    raise AssertionError(f"not serving after {timeout_s}s\n{self.ctl('status')}\n{logs}") from None
+                time.sleep(0.5)
+
+
+def _template(tmp: Path, config_path: Path) -> Path:
+    """configs/supervisord.conf with its paths moved into `tmp`, and the worker left for the
+    test to start last (everything else as shipped)."""
+    text = (ROOT / "configs" / "supervisord.conf").read_text()
+    head, sep, rest = text.partition("[program:worker]\n")
+    assert sep and "autostart=true\n" in rest
+    text = head + sep + rest.replace("autostart=true\n", "autostart=false\n", 1)
+    text = text.replace("/etc/himamba/himamba.toml", str(config_path))
+    text = text.replace("/run/himamba/", f"{tmp}/run/").replace("/var/log/himamba", f"{tmp}/log")
+    settings = "\n".join(line for line in text.splitlines() if not line.startswith(";"))
+    assert "/etc/" not in settings and "/var/" not in settings and "/run/" not in settings.replace(f"{tmp}/run/", "")
+    (tmp / "run").mkdir()
+    (tmp / "log").mkdir()
+    conf = tmp / "supervisord.conf"
+    conf.write_text(text)
+    return conf
+
+
+@pytest.fixture(scope="module")
+def supervised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervised]:
+    from himamba.services.modelgen.checkpoint import make_checkpoint
+
+    tmp = tmp_path_factory.mktemp("sv")
+    model = make_checkpoint("nemotron_h", tmp / "model", preset="tiny", seed=0)
+    tag = uuid.uuid4().hex[:12]
+    port = _free_port()
+    endpoints = "\n".join(
+        f'{n} = "ipc://@himamba-test-{tag}-{n}"'
+        for n in ("zmq_endpoint", "tokenizer_ipc", "scheduler_ipc", "worker_ipc", "cache_ipc", "control_ipc")
+    )
+    config_path = tmp / "himamba.toml"
+    config_path.write_text(
+        f'[model]\nmodel = "{model}"\ntorch_threads = 1\n\n[endpoints]\n{endpoints}\n\n'
+        f"[http]\nport = {port}\n\n[metrics]\nreport_interval_s = 0.5\n"
+    )
+    conf = _template(tmp, config_path)
+    # supervisord finds `himamba` on PATH: the one installed beside this interpreter.
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    cmd = [sys.executable, "-m", "supervisor.supervisord", "-n", "-c", str(conf)]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sv = Supervised(proc, conf, port, tmp / "log", env)
+    try:
+        yield sv
+    finally:
+        proc.send_signal(signal.SIGTERM)  # supervisord stops every program (stopsignal, stopwaitsecs)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _wait_log(sv: Supervised, name: str, text: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in sv.log(name):
+        assert time.monotonic() < deadline, f"{name} never logged {text!r}:\n{sv.log(name)[-2000:]}"
+        time.sleep(0.2)
+
+
+def test_services_wait_for_a_late_worker_then_serve_and_survive_its_kill(supervised: Supervised):
+    # The worker starts last: the others come up, wait for it and say so.
+    _wait_log(supervised, "tokenizer", "waiting for worker")
+    _wait_log(supervised, "cache", "waiting for the worker")
+    assert supervised.pid("worker") == 0
+    supervised.ctl("start", "himamba:worker")
+    first = supervised.wait_serving("def first(x):", timeout_s=180)
+    assert first["choices"][0]["finish_reason"] == "length"
+    for name in SERVICES:
+        assert supervised.pid(name) > 0, supervised.ctl("status")
+
+    old = supervised.pid("worker")
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while (new := supervised.pid("worker")) in (0, old):
+        assert time.monotonic() < deadline, "supervisord did not restart the worker"
+        time.sleep(0.2)
+    again = supervised.wait_serving("def second(y):", timeout_s=120)
+    assert again["usage"]["completion_tokens"] == 3
+    assert supervised.log("worker").count("ready") >= 2
+    assert new != old
+
+
+def test_sigterm_stops_every_service_cleanly(supervised: Supervised):
+    pids = {name: supervised.pid(name) for name in SERVICES}
+    supervised.ctl("stop", "himamba:*")
+    status = supervised.ctl("status")
+    for name, pid in pids.items():
+        assert f"himamba:{name}" in status and "STOPPED" in status.split(f"himamba:{name}")[1].splitlines()[0]
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    # Each exited by itself on SIGTERM, within stopwaitsecs (no SIGKILL from supervisord).
+    log = supervised.log_dir.joinpath("supervisord.log").read_text()
+    for name in SERVICES:
+        assert f"stopped: {name} (exit status 0)" in log
