@@ -219,6 +219,9 @@ class Admitted(Message):
     rid: str
     ok: bool
     reason: str = ""  # why not (no memory): the scheduler keeps the request waiting
+    # Not admitted yet because its storage prefetch is still running (wait_complete / timeout
+    # policies): the scheduler tries the requests behind it instead of blocking on it.
+    prefetching: bool = False
     pages: list[int] = []  # pages for every token of `tokens` (shared prefix first)
     slots: list[int] = []  # [working, *track]
     cached_len: int = 0  # tokens served from cache (KV and state both)
@@ -227,6 +230,20 @@ class Admitted(Message):
     branch_len: int = 0  # page-aligned KV match past the cached state
     # (context position, slot): capture the state there during the prefill, then Insert it.
     captures: list[tuple[int, int]] = []
+
+
+class Prefetch(Message):
+    """A request entered the waiting queue: start fetching its prefix from storage into host
+    memory in the background, so it is there (or partly there) when the request is admitted."""
+
+    rid: str
+    tokens: list[int]
+
+
+class CancelPrefetch(Message):
+    """The request is gone (aborted) before admission: revoke its prefetch."""
+
+    rid: str
 
 
 class Extend(Message):
@@ -287,7 +304,7 @@ class Released(Message):
     rid: str
 
 
-CacheOp = Union[Admit, Extend, AllocSlots, FreeSlots, Insert, Release]
+CacheOp = Union[Admit, Prefetch, CancelPrefetch, Extend, AllocSlots, FreeSlots, Insert, Release]
 CacheResult = Union[Admitted, Extended, SlotsAllocated, Inserted, Released]
 
 

@@ -16,6 +16,8 @@ from typing import Any
 from himamba.common.config import CacheConfig
 from himamba.common.messages import (
     Admit,
+    CancelPrefetch,
+    Prefetch,
     Admitted,
     AllocSlots,
     CacheStats,
@@ -165,6 +167,8 @@ class CacheController:
                 return self.insert(op)
             case Release():
                 return self.release(op)
+            case Prefetch() | CancelPrefetch():
+                return None  # no storage tier yet: nothing to fetch
         raise ValueError(f"unknown cache op {type(op).__name__}")
 
     def admit(self, op: Admit) -> Admitted:

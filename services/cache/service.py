@@ -122,10 +122,11 @@ class CacheService(Actor[ToCache]):
         assert self.ctrl is not None
         match msg:
             case CacheStep(step_id=step_id, ops=ops):
-                results = [self.ctrl.apply(op) for op in ops]
-                for op, res in zip(ops, results, strict=True):
+                pairs = [(op, self.ctrl.apply(op)) for op in ops]
+                for op, res in pairs:
                     if isinstance(op, Admit) and isinstance(res, Admitted) and res.ok:
                         self._count_admission(op, res)
+                results = [res for _, res in pairs if res is not None]  # prefetch ops answer nothing
                 transfers = self.ctrl.take_transfers()
                 await self.scheduler.send(CacheStepDone(step_id=step_id, results=results, transfers=transfers))
             case TransfersDone(op_ids=op_ids):

@@ -35,8 +35,10 @@ from himamba.common.messages import (
     Extend,
     Extended,
     FreeSlots,
+    CancelPrefetch,
     Insert,
     Inserted,
+    Prefetch,
     Release,
     RunBatch,
     SeqPlan,
@@ -88,6 +90,7 @@ class SchedulerService(Actor[ToScheduler]):
         self.reporter.on_collect(self._collect_metrics)
         self.page_size = cfg.cache.page_size
         self.use_cache = not cfg.cache.disable_radix_cache
+        self.storage = getattr(cfg.cache, "hicache_storage_backend", "none") != "none"
         sc = cfg.scheduler
         # Track slots only make sense when states can go into a tree.
         self.strategy: mamba_track.Strategy = sc.mamba_scheduler_strategy if self.use_cache else "no_buffer"
@@ -186,6 +189,8 @@ class SchedulerService(Actor[ToScheduler]):
         req = Req(msg.rid, list(msg.input_ids), msg.sampling, msg.max_tokens, frozenset(eos))
         self.requests[req.rid] = req
         self.waiting.append(req)
+        if self.use_cache and self.storage:
+            self.pending_ops.append(Prefetch(rid=req.rid, tokens=req.prompt_ids))
 
     def on_abort(self, rid: str, stop: bool) -> None:
         req = self.requests.get(rid)
@@ -333,6 +338,8 @@ class SchedulerService(Actor[ToScheduler]):
                     if res.ok:  # aborted meanwhile
                         self.pending_ops.append(Release(rid=res.rid))
                     continue
+                if res.prefetching and not blocked:
+                    continue  # its prefix is still arriving from storage: try the ones behind it
                 if not res.ok or blocked:
                     # FCFS: a request that does not fit blocks the ones behind it this step.
                     if not blocked:
@@ -586,6 +593,8 @@ class SchedulerService(Actor[ToScheduler]):
             self.pending_ops.append(self._release_op(req, reason))
         elif req.status == "waiting":
             self.waiting.remove(req)
+            if self.use_cache and self.storage:
+                self.pending_ops.append(CancelPrefetch(rid=req.rid))
         req.status = "finished"
         req.finish_reason = reason
         if not emitted:
