@@ -65,13 +65,14 @@ class IndexAllocator:
         idx = indices if isinstance(indices, list) else list(indices)
         is_free = self._is_free
         cap = self._capacity
+        # One pass that checks and marks (a plain loop measured faster than bulk set/itemgetter checks).
         for k, i in enumerate(idx):
             if 0 <= i < cap and not is_free[i]:
                 is_free[i] = 1
                 continue
             for j in idx[:k]:  # undo, so that a rejected call leaves the pool as it was
                 is_free[j] = 0
-            if not (0 <= i < cap):
+            if not 0 <= i < cap:
                 raise ValueError(f"{self._unit} {i} out of range [0, {cap})")
             raise ValueError(f"{self._unit} {i} is already free (double free)")
         self._free.extend(idx)

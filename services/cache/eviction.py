@@ -3,17 +3,19 @@
 The radix tree keeps one queue per resource (device KV leaves, device states, host KV leaves, host
 states). A queue holds exactly the members that are evictable right now; the tree adds and discards
 members as their condition changes and reports uses with `touch`. The queue only decides the order.
+In every policy, members marked expired (stamp EXPIRED, e.g. a state superseded by a deeper one)
+go first, oldest expiry first.
 
 Two policies:
 
 * `lru`: least recently used first (a lazy min-heap over use stamps).
-* `scan_resistant`: members that were never hit since they entered the cache ("probation") go
-  before members that were hit ("protected"), and probation is evicted in *random* order. Under a
-  round-robin (looping) workload bigger than the cache, LRU always evicts exactly the entry that is
-  needed next and caches nothing; random probation keeps a random subset of entries long enough to
-  be hit, and once hit they are protected. Protected members are evicted in LRU order, and first
-  whenever they hold more than `protected_share` of the queue's weight, so that a stale hot set
-  cannot lock new entries out.
+* `scan_resistant`: members without proven reuse ("probation": never hit, and not the continuation
+  of a hit) go before members with it ("protected"), and probation is evicted in *random* order.
+  Under a round-robin (looping) workload bigger than the cache, LRU always evicts exactly the entry
+  that is needed next and caches nothing; random probation keeps a random subset of entries long
+  enough to be hit, and once hit they are protected. Protected members are evicted in LRU order,
+  and first whenever they hold more than `protected_share` of the queue's weight, so that a stale
+  hot set cannot lock new entries out. Random choices come from a seeded generator: runs repeat.
 """
 
 from __future__ import annotations

@@ -23,6 +23,17 @@ host_ref. Every receipt or transfer therefore records only its deepest node and 
 node above its range, and releases by walking parents: a split inside the range adds a node that
 carries the same counts, and a split of the boundary node happens above the boundary.
 
+Eviction order. Device KV is evicted leaf by leaf (a leaf whose children are all off device counts),
+states over all nodes; the queues in eviction.py decide the order. KV recency is refreshed along
+the consumed path, state recency only on the consumed state (sglang #31643). A state consumed once
+and then followed by a deeper state on the same chain (the next turn of a conversation) expires
+at once: it is dead weight that the touch would otherwise keep over other conversations' states.
+
+Transfers. The worker executes copy orders in issue order, before any later forward, so device
+pages named in an order may be freed and reused at once; host pages (and host slots) a transfer
+writes or reads stay pinned by host_ref / host_mamba_ref until `backup_done` / `load_back_done`,
+because storage threads touch host memory outside that order.
+
 Ownership. Everything handed to `insert` (pages and the state slot) belongs to the tree afterwards:
 duplicates and an unused state slot are freed by the tree into their allocators.
 
@@ -388,7 +399,8 @@ class RadixTree:
     def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
         """Longest cached prefix of `tokens` that ends at a state (whole pages only).
 
-        May split a node where the match ends inside it; never frees anything. Refreshes KV recency
+        May split a node where the match ends inside it; never frees device memory (a
+        write_through_selective backup may evict host entries to make room). Refreshes KV recency
         of root..node and the state recency of `node` only, and counts a hit on root..node
         (write_through_selective may then return backup orders in `backups`).
         """
@@ -795,7 +807,7 @@ class RadixTree:
             n = self._host_leaves.pop()
             if n is None:
                 break
-            self._delete(n, acc)
+            self._delete(n, acc, on_device=False)
         return acc.result(self)
 
     def evict_host_state(self, num_slots: int) -> EvictResult:
@@ -811,7 +823,7 @@ class RadixTree:
                 break
             if n in self._host_leaves:
                 self._host_leaves.discard(n)
-                self._delete(n, acc)
+                self._delete(n, acc, on_device=False)
             else:
                 self._host_state.free([n.host_state])  # type: ignore[union-attr, list-item]
                 n.host_state = None
@@ -828,7 +840,7 @@ class RadixTree:
         if n.host_pages is not None:
             self._demote(n, acc)
         else:
-            self._delete(n, acc)
+            self._delete(n, acc, on_device=True)
 
     def _demote(self, n: TreeNode, acc: _Freed) -> None:
         """Free device KV and device state; the node stays, host-only."""
@@ -848,8 +860,12 @@ class RadixTree:
         self._sync_dev_leaf(parent)
         self._sync_host_leaf(n)
 
-    def _delete(self, n: TreeNode, acc: _Freed) -> None:
-        """Delete a childless, unreferenced node with everything it holds, then its dead ancestors."""
+    def _delete(self, n: TreeNode, acc: _Freed, on_device: bool) -> None:
+        """Delete a childless, unreferenced node with everything it holds, then its dead ancestors.
+
+        on_device=False (host eviction) stops the cascade at a node on device: host eviction never
+        frees device memory, so the results of match_prefix / insert stay valid across it.
+        """
         while True:
             assert not n.children and n.lock_ref == 0 and n.mamba_lock_ref == 0
             assert n.host_ref == 0 and n.host_mamba_ref == 0
@@ -884,6 +900,7 @@ class RadixTree:
             if (
                 parent is self._root
                 or parent.children
+                or (parent.device_pages is not None and not on_device)
                 or parent.device_state is not None
                 or parent.host_state is not None
                 or parent.lock_ref
@@ -1196,7 +1213,7 @@ class RadixTree:
                 fail(node, f"{kind} {idx} is also owned by node {held[idx]}")
             held[idx] = node.id
 
-        totals = dict(dp_used=0, dp_prot=0, ds_used=0, ds_prot=0, hp_used=0, hp_prot=0, hs_used=0, hs_prot=0)
+        totals = {k: 0 for k in ("dp_used", "dp_prot", "ds_used", "ds_prot", "hp_used", "hp_prot", "hs_used", "hs_prot")}
         want_dl: set[TreeNode] = set()
         want_ds: set[TreeNode] = set()
         want_hl: set[TreeNode] = set()

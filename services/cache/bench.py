@@ -1,0 +1,341 @@
+"""`himamba bench cache`: drive the radix tree and allocators alone with a synthetic multi-turn trace.
+
+No model and no processes: each request does what the scheduler and the cache controller do with
+the tree (match, lock, load back, allocate with eviction, insert, unlock), and every transfer is
+acknowledged at once. Prints throughput, per-operation latency, the cached-token ratio per tier
+against the ideal ratio, peak traced memory, and one JSON object as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from himamba.services.cache.allocator import PageAllocator, SlotAllocator
+from himamba.services.cache.eviction import EVICTION_POLICIES
+from himamba.services.cache.radix_tree import WRITE_POLICIES, BackupOp, RadixTree
+
+VOCAB_SIZE = 32000
+
+
+@dataclass(frozen=True)
+class Request:
+    """One turn of one client: `prompt` is sent, `full` = prompt + generated tokens gets cached."""
+
+    client: int
+    turn: int
+    prompt: tuple[int, ...]
+    full: tuple[int, ...]
+    ideal_cached_len: int  # page-aligned context repeated from the client's previous turn
+
+
+@dataclass
+class Trace:
+    """Requests in arrival order and the number of distinct prefix tokens they contain."""
+
+    requests: list[Request]
+    unique_tokens: int
+
+
+@dataclass
+class Stats:
+    """Counters and per-operation timings (ns) of one run."""
+
+    prompt_tokens: int = 0
+    ideal_tokens: int = 0
+    device_tokens: int = 0
+    host_tokens: int = 0
+    load_failures: int = 0
+    skipped_inserts: int = 0
+    stateless_inserts: int = 0
+    num_backups: int = 0
+    wall_s: float = 0.0
+    match_ns: list[int] = field(default_factory=list)
+    insert_ns: list[int] = field(default_factory=list)
+    evict_ns: list[int] = field(default_factory=list)
+    backup_ns: list[int] = field(default_factory=list)
+    load_ns: list[int] = field(default_factory=list)
+
+
+def build_trace(clients: int, turns: int, first: int, each: int, gen: int, page_size: int, seed: int) -> Trace:
+    """Round r of client c: the previous prompt + `gen` generated + `each` new tokens (round 1: `first`).
+
+    Requests are interleaved round-robin: A1, B1, ..., A2, B2, ...
+    """
+    rng = random.Random(seed)
+    prompts = [tuple(rng.randrange(VOCAB_SIZE) for _ in range(first)) for _ in range(clients)]
+    prev_full: list[tuple[int, ...]] = [()] * clients
+    requests: list[Request] = []
+    unique = 0
+    for turn in range(turns):
+        for c in range(clients):
+            if turn:
+                prompts[c] = prev_full[c] + tuple(rng.randrange(VOCAB_SIZE) for _ in range(each))
+            prompt = prompts[c]
+            full = prompt + tuple(rng.randrange(VOCAB_SIZE) for _ in range(gen))
+            ideal = min(len(prev_full[c]), len(prompt) - 1) // page_size * page_size
+            requests.append(Request(c, turn, prompt, full, ideal))
+            prev_full[c] = full
+    for c in range(clients):
+        unique += len(prev_full[c])
+    return Trace(requests, unique)
+
+
+@dataclass
+class Pools:
+    """The four allocators of one run."""
+
+    device_kv: PageAllocator
+    device_state: SlotAllocator
+    host_kv: PageAllocator | None
+    host_state: SlotAllocator | None
+
+
+def make_pools(args: argparse.Namespace, unique_tokens: int) -> Pools:
+    """Device KV sized as a fraction of the trace's unique tokens; host pools as ratios of the device ones."""
+    device_pages = max(1, round(args.kv_frac * unique_tokens / args.page_size))
+    host_kv = host_state = None
+    if args.host_ratio > 0:
+        host_kv = PageAllocator(max(1, round(args.host_ratio * device_pages)))
+        host_state = SlotAllocator(max(1, round(args.host_ratio * args.mamba_slots)))
+    return Pools(PageAllocator(device_pages), SlotAllocator(args.mamba_slots), host_kv, host_state)
+
+
+def _timed_backup(tree: RadixTree, stats: Stats) -> Callable[..., BackupOp | None]:
+    # Wraps the instance attribute, so backups the tree issues internally are timed too.
+    inner = tree.backup
+
+    def backup(node):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter_ns()
+        op = inner(node)
+        stats.backup_ns.append(time.perf_counter_ns() - t0)
+        return op
+
+    return backup
+
+
+def run(trace: Trace, args: argparse.Namespace, *, timed: bool) -> tuple[Stats, RadixTree]:
+    """Serve the whole trace against a fresh tree; returns the stats and the final tree."""
+    pools = make_pools(args, trace.unique_tokens)
+    tree = RadixTree(
+        args.page_size,
+        pools.device_kv,
+        pools.device_state,
+        pools.host_kv,
+        pools.host_state,
+        write_policy=args.write_policy,
+        eviction_policy=args.policy,
+        seed=args.seed,
+    )
+    stats = Stats()
+    if timed:
+        tree.backup = _timed_backup(tree, stats)  # type: ignore[method-assign]
+    ps = args.page_size
+    kv = pools.device_kv
+    st = pools.device_state
+    now = time.perf_counter_ns
+
+    def ack(ops: list[BackupOp]) -> None:
+        stats.num_backups += len(ops)
+        for op in ops:
+            tree.backup_done(op)
+
+    start = time.perf_counter()
+    for req in trace.requests:
+        prompt = req.prompt
+        stats.prompt_tokens += len(prompt)
+        stats.ideal_tokens += req.ideal_cached_len
+        t0 = now()
+        m = tree.match_prefix(prompt[:-1])
+        stats.match_ns.append(now() - t0)
+        ack(m.backups)
+        receipt = tree.lock(m.node)
+        cached = m.cached_len
+        loaded = 0
+        prefix_pages = m.device_pages
+        if m.host_len or m.state_tier == "host":
+            t0 = now()
+            op = tree.load_back(m.node)
+            stats.load_ns.append(now() - t0)
+            if op is None:
+                # Fall back to what is usable without a load: the deepest device node with a device state.
+                stats.load_failures += 1
+                cached = m.device_cached_len
+                prefix_pages = m.device_pages[: cached // ps]
+                old, receipt = receipt, tree.lock(m.device_node)
+                tree.unlock(old)
+            else:
+                ack(op.backups)
+                tree.load_back_done(op)
+                old, receipt = receipt, tree.lock(m.node)
+                tree.unlock(old)
+                prefix_pages = prefix_pages + op.device_pages
+                loaded = m.host_len
+        stats.host_tokens += loaded
+        stats.device_tokens += cached - loaded
+
+        n_full = len(req.full) // ps
+        need = n_full - cached // ps
+        pages = kv.alloc(need)
+        if pages is None:
+            t0 = now()
+            res = tree.evict(need - kv.num_free)
+            stats.evict_ns.append(now() - t0)
+            ack(res.backups)
+            pages = kv.alloc(need)
+        if pages is None:
+            stats.skipped_inserts += 1
+            tree.unlock(receipt)
+            continue
+        slots = st.alloc(1)
+        if slots is None:
+            t0 = now()
+            res = tree.evict_state(1)
+            stats.evict_ns.append(now() - t0)
+            ack(res.backups)
+            slots = st.alloc(1)
+        if slots is None:
+            stats.stateless_inserts += 1
+        t0 = now()
+        ins = tree.insert(req.full[: n_full * ps], prefix_pages + pages, slots[0] if slots else None, cached)
+        stats.insert_ns.append(now() - t0)
+        ack(ins.backups)
+        tree.unlock(receipt)
+    stats.wall_s = time.perf_counter() - start
+    return stats, tree
+
+
+def _us(ns: list[int]) -> tuple[float, float]:
+    if not ns:
+        return 0.0, 0.0
+    return statistics.median(ns) / 1000, statistics.fmean(ns) / 1000
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The bench's command line; ArgumentParser.error (exit 2) on a bad value."""
+    p = argparse.ArgumentParser(prog="himamba bench cache", description=__doc__.splitlines()[0])
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--first", type=int, default=512, help="tokens of a client's first prompt")
+    p.add_argument("--each", type=int, default=64, help="new user tokens per later turn")
+    p.add_argument("--gen", type=int, default=32, help="generated tokens per turn")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-frac", type=float, default=0.25, help="device KV capacity / unique tokens of the trace")
+    p.add_argument("--mamba-slots", type=int, default=None, help="device state slots (default 2*clients+8)")
+    p.add_argument("--host-ratio", type=float, default=0.0, help="host pool = ratio x device pool; 0 = no host tier")
+    p.add_argument("--policy", choices=EVICTION_POLICIES, default="lru")
+    p.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=3, help="timed passes over the trace; requests/s is their median")
+    p.add_argument("--no-memory", action="store_true", help="skip the traced-memory pass")
+    args = p.parse_args(argv)
+    for name in ("clients", "turns", "first", "page_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("each", "gen"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name} must be >= 0")
+    if args.kv_frac <= 0 or args.host_ratio < 0:
+        p.error("--kv-frac must be > 0 and --host-ratio >= 0")
+    if args.mamba_slots is None:
+        args.mamba_slots = 2 * args.clients + 8
+    if args.mamba_slots < 1:
+        p.error("--mamba-slots must be >= 1")
+    if args.repeat < 1:
+        p.error("--repeat must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `himamba bench cache`; returns the exit status."""
+    args = parse_args(argv)
+    trace = build_trace(args.clients, args.turns, args.first, args.each, args.gen, args.page_size, args.seed)
+    # Each pass starts from an empty cache and is identical; timings of all passes are pooled and
+    # requests/s is the median pass (timings on a shared 2-core machine vary several-fold).
+    passes = [run(trace, args, timed=True) for _ in range(args.repeat)]
+    for _, tree in passes:
+        tree.check_invariants()
+    stats = passes[0][0]
+    for extra, _ in passes[1:]:
+        for name in ("match_ns", "insert_ns", "evict_ns", "backup_ns", "load_ns"):
+            getattr(stats, name).extend(getattr(extra, name))
+    walls = sorted(s.wall_s for s, _ in passes)
+    peak_mib = None
+    if not args.no_memory:
+        tracemalloc.start()
+        run(trace, args, timed=False)
+        peak_mib = tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
+
+    n = len(trace.requests)
+    rps = n / statistics.median(walls)
+    best_rps = n / walls[0]
+    total = max(1, stats.prompt_tokens)
+    device_ratio = stats.device_tokens / total
+    host_ratio = stats.host_tokens / total
+    ideal_ratio = stats.ideal_tokens / total
+    pools = make_pools(args, trace.unique_tokens)
+    print(
+        f"trace: {args.clients} clients x {args.turns} turns, {n} requests, {stats.prompt_tokens} prompt tokens, "
+        f"{trace.unique_tokens} unique tokens, page {args.page_size}"
+    )
+    print(
+        f"pools: device {pools.device_kv.capacity} pages / {args.mamba_slots} states, host "
+        + (f"{pools.host_kv.capacity} pages / {pools.host_state.capacity} states" if pools.host_kv and pools.host_state else "none")
+        + f"; policy {args.policy}, {args.write_policy}"
+    )
+    print(
+        f"throughput: {rps:,.0f} requests/s (median of {len(walls)} passes, best {best_rps:,.0f}; "
+        f"{statistics.median(walls) * 1000:.1f} ms per pass)"
+    )
+    for name, ns in (
+        ("match", stats.match_ns),
+        ("insert", stats.insert_ns),
+        ("evict", stats.evict_ns),
+        ("backup", stats.backup_ns),
+        ("load-back", stats.load_ns),
+    ):
+        med, mean = _us(ns)
+        print(f"  {name:<9} n={len(ns):>6}  median {med:8.2f} us  mean {mean:8.2f} us")
+    print(
+        f"cached ratio: {device_ratio + host_ratio:.4f} (device {device_ratio:.4f}, host {host_ratio:.4f}) "
+        f"vs ideal {ideal_ratio:.4f}; load-back failures {stats.load_failures}, skipped inserts "
+        f"{stats.skipped_inserts}, inserts without a state {stats.stateless_inserts}, backups {stats.num_backups}"
+    )
+    if peak_mib is not None:
+        print(f"peak traced memory: {peak_mib:.1f} MiB")
+    result = {
+        "requests": n,
+        "requests_per_s": round(rps, 1),
+        "requests_per_s_best": round(best_rps, 1),
+        "cached_ratio": round(device_ratio + host_ratio, 4),
+        "ideal_ratio": round(ideal_ratio, 4),
+        "device_ratio": round(device_ratio, 4),
+        "host_ratio": round(host_ratio, 4),
+        "policy": args.policy,
+        "write_policy": args.write_policy,
+        "kv_frac": args.kv_frac,
+        "mamba_slots": args.mamba_slots,
+        "host_ratio_arg": args.host_ratio,
+        "load_failures": stats.load_failures,
+        "skipped_inserts": stats.skipped_inserts,
+        "peak_traced_mib": None if peak_mib is None else round(peak_mib, 2),
+    }
+    for name, ns in (
+        ("match", stats.match_ns),
+        ("insert", stats.insert_ns),
+        ("evict", stats.evict_ns),
+        ("backup", stats.backup_ns),
+        ("load_back", stats.load_ns),
+    ):
+        med, mean = _us(ns)
+        result[f"{name}_us_median"] = round(med, 2)
+        result[f"{name}_us_mean"] = round(mean, 2)
+    print(json.dumps(result))
+    return 0
