@@ -847,6 +847,9 @@ class RadixTree:
         pages = n.device_pages
         assert pages is not None and n.mamba_lock_ref == 0
         n.device_pages = None
+        # A write_back backup just before may have re-queued n (its host eviction can delete n's
+        # last child, making n a device leaf again), so drop it from the queue explicitly.
+        self._dev_leaves.discard(n)
         self._device_kv.free(pages)
         self._dev_pages_used -= len(pages)
         if n.device_state is not None:

@@ -664,3 +664,19 @@ def test_host_eviction_never_frees_device_memory():
     e.check()
     assert e.tree.evict(10).num_pages == 2
     e.check()
+
+
+def test_write_back_eviction_whose_backup_evicts_the_nodes_last_child():
+    """The state-only backup of a node being evicted evicts its host-only child to get a host slot;
+    the node must still leave the device-leaf queue when demoted (found by the state machine)."""
+    e = make(host_pages=8, host_slots=1, write_policy="write_back")
+    parent = e.put([1, 2]).node
+    child = e.put([1, 2, 3, 4]).node
+    e.ack([e.tree.backup(child)])  # host KV of both, the only host slot holds the child's state
+    e.ack(e.tree.evict(2).backups)  # demotes the child
+    assert child.device_pages is None and parent.device_pages is not None
+    ev = e.tree.evict(2)  # parent: its state needs the host slot -> the child is host-evicted
+    e.ack(ev.backups)
+    assert not child.is_attached
+    assert parent.device_pages is None and parent.host_state is not None
+    e.check()
