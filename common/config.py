@@ -70,8 +70,20 @@ class CacheConfig(_Section):
     hicache_tokens: NonNegInt = 0  # host KV capacity in tokens; 0: derive (2x device)
     hicache_mamba_slots: NonNegInt = 0  # host recurrent-state slots; 0: derive (2x device)
     hicache_write_policy: Literal["write_back", "write_through", "write_through_selective"] = "write_through"
-    eviction_policy: Literal["lru", "s3fifo"] = "lru"
+    eviction_policy: Literal["lru", "scan_resistant"] = "lru"
     memory_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.25  # of free memory, when deriving sizes
+    # The storage tier (L3): where host pages are backed up and prefetched from.
+    hicache_storage_backend: Literal["none", "file", "mooncake", "redis"] = "file"
+    hicache_storage_dir: str = ""  # file backend; "": $XDG_CACHE_HOME/himamba/storage
+    hicache_storage_max_bytes: NonNegInt = 0  # file backend's cap; 0: none
+    hicache_storage_url: str = ""  # redis://host:port/db, or the Mooncake master's host:port; "": localhost default
+    mooncake_metadata_server: str = ""  # "": the master's embedded one, http://<master host>:8080/metadata
+    mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
+    hicache_storage_prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "best_effort"
+    prefetch_threshold: NonNegInt = 256  # tokens: shorter storage hits are not worth a prefetch
+    prefetch_timeout_base_s: NonNegFloat = 2.0  # timeout policy: base + per_ki_token * tokens / 1024, capped
+    prefetch_timeout_per_ki_token_s: NonNegFloat = 0.1
+    prefetch_timeout_max_s: NonNegFloat = 30.0
 
 
 class LogConfig(_Section):
