@@ -84,6 +84,9 @@ class CacheConfig(_Section):
     prefetch_timeout_base_s: NonNegFloat = 2.0  # timeout policy: base + per_ki_token * tokens / 1024, capped
     prefetch_timeout_per_ki_token_s: NonNegFloat = 0.1
     prefetch_timeout_max_s: NonNegFloat = 30.0
+    # Test hooks: wrap the storage backend in a FlakyBackend (fault injection).
+    debug_storage_fail_rate: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
+    debug_storage_slow_s: NonNegFloat = 0.0
 
 
 class LogConfig(_Section):

@@ -20,7 +20,9 @@ Backend contract (what every implementation promises):
   `dest[:n]`.
 - Failure: a miss, a corrupt value and a refused write are return values, never exceptions. A
   backend that cannot serve at all (I/O error on the device, store unreachable) may raise; the
-  I/O workers turn any exception into a failed job.
+  I/O workers turn any exception into a failed job. The remote backends (redis, mooncake) do not
+  raise for an unreachable store: they answer misses / refused writes, count `num_errors`, fail
+  fast while the store is away and reconnect on their own (reconnect.py).
 - No synchronous deletes: nothing relies on a value being gone after a call returns.
 """
 
@@ -152,6 +154,8 @@ class StorageStats(msgspec.Struct, frozen=True, kw_only=True):
     num_corrupt: int = 0  # values present that failed verification (treated as misses)
     num_refused_writes: int = 0  # store full, read-only, or failed
     num_evicted: int = 0  # values removed to respect a size cap
+    num_errors: int = 0  # calls the store could not serve (unreachable, or failing fast while it is away)
+    num_reconnects: int = 0  # times the store came back after being unreachable
     used_bytes: int = 0  # bytes this backend believes it holds; 0 when it cannot know
     capacity_bytes: int = 0  # 0: no cap
 
