@@ -95,3 +95,19 @@ def test_small_device_pool_serves_earlier_turns_from_host(reference, small_devic
     stats = small_device.cache_stats()
     assert stats.invariants_ok, stats.invariants_error
     assert stats.running_requests == 0
+
+
+@pytest.mark.parametrize("delta", [-1, 0, 1])
+def test_host_hits_at_page_boundaries_match_recompute(reference, small_device, delta):
+    prompt = _tokens(64 + delta, seed=70 + delta)  # 4 pages of 16, and one token either side
+    with Client(reference.endpoint) as r, Client(small_device.endpoint) as c:
+        want = r.generate(input_ids=prompt, max_tokens=8, ignore_eos=True).token_ids
+        assert c.generate(input_ids=prompt, max_tokens=8, ignore_eos=True).token_ids == want
+        # Other traffic pushes the prompt's pages out of the small device pool, into host memory.
+        for k in range(4):
+            c.generate(input_ids=_tokens(150, seed=900 + 10 * delta + k), max_tokens=2, ignore_eos=True)
+        again = c.generate(input_ids=prompt, max_tokens=8, ignore_eos=True)
+    assert again.token_ids == want
+    assert again.usage.cached_tokens.host > 0
+    stats = small_device.cache_stats()
+    assert stats.invariants_ok, stats.invariants_error
