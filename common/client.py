@@ -19,23 +19,28 @@ Client -> server (`ClientRequest`):
   picks one). `sampling` (all optional): `max_tokens` (int | nil: server default),
   `temperature` (0 = greedy), `top_p`, `top_k` (0 = off), `min_p`, `seed`, `stop` ([str]),
   `stop_token_ids` ([int]), `ignore_eos`, `repetition_penalty`, `frequency_penalty`,
-  `presence_penalty`, `n` (1), `logprobs` (bool).
+  `presence_penalty`, `n` (samples of the prompt, 1 to 16; sample i uses `seed` + i when a seed
+  is given), `logprobs` (bool).
 - ``{"type": "AbortGenerate", "rid": str}``: give up on a request.
 
 Server -> client (`ClientReply`):
 
 - ``{"type": "GenerateChunk", "rid", "text", "token_ids", "finished", "finish_reason",
-  "usage", "logprobs", "prompt_token_ids"}``: with `stream` true, one chunk per step carrying
-  the *new* text and token ids; with `stream` false, one chunk with everything. The last chunk
-  has `finished` true, `finish_reason` one of "stop" (eos, stop token or stop string; a stop
-  string is not included in the text), "length", "abort", and `usage` =
+  "usage", "logprobs", "prompt_token_ids", "index"}``: with `stream` true, one chunk per step
+  carrying the *new* text and token ids; with `stream` false, one chunk with everything. The last
+  chunk has `finished` true, `finish_reason` one of "stop" (eos, stop token or stop string; a
+  stop string is not included in the text), "length", "abort", and `usage` =
   ``{"prompt_tokens", "completion_tokens", "cached_tokens": {"device", "host", "storage"}}``
   (prompt tokens served from each cache tier). `prompt_token_ids` comes on the first chunk when
-  the prompt was text.
+  the prompt was text. `index` says which sample (0 .. n-1) a chunk belongs to: with `n` > 1 the
+  samples' chunks interleave and the request is over after one finished chunk per sample. Each
+  sample's usage is its own (the siblings of sample 0 report the prompt tokens they found in
+  the cache); `combined_usage` in `common/types.py` counts the prompt once.
 - ``{"type": "ErrorReply", "message": str, "rid": str, "code": int}``: the request was refused
   or failed (400 bad input, 404 unknown rid, 409 rid in flight, 500 server error, 503 shutting
-  down). `rid` is "" when the payload could not be read at all. An abort is answered by a final
-  chunk with `finish_reason` "abort".
+  down). `rid` is "" when the payload could not be read at all. An error ends the whole request,
+  all its samples. An abort is answered by a final chunk with `finish_reason` "abort" for each
+  sample still running.
 
 Example (plain msgpack, any language)::
 
@@ -59,7 +64,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Generator
+from collections.abc import AsyncGenerator, Generator, Mapping
 from typing import NamedTuple, TypedDict, Unpack
 
 import msgspec
@@ -87,7 +92,7 @@ class HimambaError(Exception):
 
 
 class Completion(NamedTuple):
-    """A finished request."""
+    """A finished request (or one sample, `index`, of an n > 1 request)."""
 
     rid: str
     text: str
@@ -96,6 +101,7 @@ class Completion(NamedTuple):
     usage: Usage | None  # prompt/completion tokens and cached tokens by tier
     prompt_token_ids: list[int] | None
     logprobs: list[float] | None = None
+    index: int = 0
 
 
 class GenerateOptions(TypedDict, total=False):
@@ -137,6 +143,7 @@ def make_request(
     frequency_penalty: float = 0.0,
     presence_penalty: float = 0.0,
     logprobs: bool = False,
+    n: int = 1,
 ) -> GenerateRequest:
     """Build a GenerateRequest (a fresh rid when none is given). Ranges are checked by the server."""
     if (prompt is None) == (input_ids is None):
@@ -156,6 +163,7 @@ def make_request(
         repetition_penalty=repetition_penalty,
         frequency_penalty=frequency_penalty,
         presence_penalty=presence_penalty,
+        n=n,
         logprobs=logprobs,
     )
     return GenerateRequest(
@@ -168,10 +176,11 @@ def make_request(
 
 
 class CompletionBuilder:
-    """Folds the chunks of one request into a Completion."""
+    """Folds the chunks of one request (or of one sample of it) into a Completion."""
 
-    def __init__(self, rid: str):
+    def __init__(self, rid: str, index: int = 0):
         self._rid = rid
+        self._index = index
         self._text: list[str] = []
         self._ids: list[int] = []
         self._logprobs: list[float] | None = None
@@ -192,8 +201,37 @@ class CompletionBuilder:
 
     def build(self) -> Completion:
         return Completion(
-            self._rid, "".join(self._text), self._ids, self._reason, self._usage, self._prompt_ids, self._logprobs
+            self._rid,
+            "".join(self._text),
+            self._ids,
+            self._reason,
+            self._usage,
+            self._prompt_ids,
+            self._logprobs,
+            self._index,
         )
+
+
+class SamplesBuilder:
+    """Folds the interleaved chunks of an n-sample request into its Completions, by index."""
+
+    def __init__(self, rid: str, n: int):
+        self._builders = [CompletionBuilder(rid, i) for i in range(n)]
+
+    def add(self, chunk: GenerateChunk) -> None:
+        if not (0 <= chunk.index < len(self._builders)):
+            raise HimambaError(
+                f"reply for sample {chunk.index} of a {len(self._builders)}-sample request", rid=chunk.rid
+            )
+        self._builders[chunk.index].add(chunk)
+
+    def build(self) -> list[Completion]:
+        return [b.build() for b in self._builders]
+
+
+def _check_single(options: Mapping[str, object]) -> None:
+    if options.get("n", 1) != 1:
+        raise ValueError("n: generate() returns one completion; use generate_n() for n > 1")
 
 
 def _default_endpoint(endpoint: str | None) -> str:
@@ -255,17 +293,28 @@ class Client:
 
     def generate(self, prompt: str | None = None, **options: Unpack[GenerateOptions]) -> Completion:
         """Run one request to the end and return it whole. Raises HimambaError on an ErrorReply."""
+        _check_single(options)
         req = make_request(prompt, stream=False, **options)
         builder = CompletionBuilder(req.rid)
         for chunk in self._run(req):
             builder.add(chunk)
         return builder.build()
 
+    def generate_n(self, prompt: str | None = None, *, n: int, **options: Unpack[GenerateOptions]) -> list[Completion]:
+        """Run one request for `n` samples of the prompt; their Completions by index. The
+        samples share the prompt's cache; with a `seed`, sample i uses seed + i."""
+        req = make_request(prompt, stream=False, n=n, **options)
+        builder = SamplesBuilder(req.rid, n)
+        for chunk in self._run(req):
+            builder.add(chunk)
+        return builder.build()
+
     def stream(
-        self, prompt: str | None = None, **options: Unpack[GenerateOptions]
+        self, prompt: str | None = None, *, n: int = 1, **options: Unpack[GenerateOptions]
     ) -> Generator[GenerateChunk, None, None]:
-        """Send a request now; iterate its chunks (deltas). Closing the iterator early aborts it."""
-        req = make_request(prompt, stream=True, **options)
+        """Send a request now; iterate its chunks (deltas; with `n` > 1 the samples' chunks
+        interleave, told apart by `index`). Closing the iterator early aborts it."""
+        req = make_request(prompt, stream=True, n=n, **options)
         return self._run(req)
 
     def abort(self, rid: str) -> None:
@@ -302,10 +351,11 @@ class Client:
             raise ValueError(f"rid {req.rid!r} is already in flight on this client")
         self._pending[req.rid] = collections.deque()
         self._send(req)
-        return self._iterate(req.rid)
+        return self._iterate(req.rid, req.sampling.n)
 
-    def _iterate(self, rid: str) -> Generator[GenerateChunk, None, None]:
+    def _iterate(self, rid: str, n: int) -> Generator[GenerateChunk, None, None]:
         done = False
+        unfinished = n  # the request is over after one finished chunk per sample
         try:
             while True:
                 reply = self._next_reply(rid)
@@ -313,7 +363,8 @@ class Client:
                     done = True
                 chunk = _raise_if_error(reply)
                 if chunk.finished:
-                    done = True
+                    unfinished -= 1
+                done = unfinished == 0
                 yield chunk
                 if done:
                     return
@@ -388,6 +439,7 @@ class AsyncClient:
 
     async def generate(self, prompt: str | None = None, **options: Unpack[GenerateOptions]) -> Completion:
         """Run one request to the end and return it whole. Raises HimambaError on an ErrorReply."""
+        _check_single(options)
         req = make_request(prompt, stream=False, **options)
         builder = CompletionBuilder(req.rid)
         async with contextlib.aclosing(self._run(req)) as chunks:
@@ -395,11 +447,24 @@ class AsyncClient:
                 builder.add(chunk)
         return builder.build()
 
+    async def generate_n(
+        self, prompt: str | None = None, *, n: int, **options: Unpack[GenerateOptions]
+    ) -> list[Completion]:
+        """Run one request for `n` samples of the prompt; their Completions by index. The
+        samples share the prompt's cache; with a `seed`, sample i uses seed + i."""
+        req = make_request(prompt, stream=False, n=n, **options)
+        builder = SamplesBuilder(req.rid, n)
+        async with contextlib.aclosing(self._run(req)) as chunks:
+            async for chunk in chunks:
+                builder.add(chunk)
+        return builder.build()
+
     async def stream(
-        self, prompt: str | None = None, **options: Unpack[GenerateOptions]
+        self, prompt: str | None = None, *, n: int = 1, **options: Unpack[GenerateOptions]
     ) -> AsyncGenerator[GenerateChunk, None]:
-        """Yield the chunks (deltas) of a new request. Leaving the loop early aborts it."""
-        req = make_request(prompt, stream=True, **options)
+        """Yield the chunks (deltas) of a new request (with `n` > 1 the samples' chunks
+        interleave, told apart by `index`). Leaving the loop early aborts it."""
+        req = make_request(prompt, stream=True, n=n, **options)
         async with contextlib.aclosing(self._run(req)) as chunks:
             async for chunk in chunks:
                 yield chunk
@@ -453,6 +518,7 @@ class AsyncClient:
         queue: asyncio.Queue[ClientReply] = asyncio.Queue()
         self._queues[req.rid] = queue
         done = False
+        unfinished = req.sampling.n  # the request is over after one finished chunk per sample
         try:
             await self._send(req)
             while True:
@@ -464,7 +530,9 @@ class AsyncClient:
                 if isinstance(reply, ErrorReply):
                     done = True
                 chunk = _raise_if_error(reply)
-                done = done or chunk.finished
+                if chunk.finished:
+                    unfinished -= 1
+                done = unfinished == 0
                 yield chunk
                 if done:
                     return

@@ -68,7 +68,14 @@ def open_host_pools(layout: HostPoolLayout, create: bool) -> HostPools:
     segments = []
     kv = kv_bytes = state_bytes = None
     state: dict[tuple[int, str], torch.Tensor] = {}
-    if layout.num_pages and layout.kv_name:
+    if layout.num_pages and layout.kv_name and layout.page_bytes == 0:
+        # A model without attention layers: host pages exist for bookkeeping but hold no bytes,
+        # and shared memory cannot map an empty segment.
+        kv_bytes = torch.empty((layout.num_pages, 0), dtype=torch.uint8)
+        kv = torch.empty(
+            (layout.num_pages, 0, 2, layout.page_size, layout.num_kv_heads, layout.head_dim), dtype=_DTYPES[layout.kv_dtype]
+        )
+    elif layout.num_pages and layout.kv_name:
         nbytes = layout.num_pages * layout.page_bytes
         seg = _segment(layout.kv_name, nbytes, create)
         segments.append(seg)

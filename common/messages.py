@@ -50,7 +50,8 @@ class AbortGenerate(Message):
 
 
 class GenerateChunk(Message):
-    """A streamed delta (stream=True) or the whole answer (stream=False, finished=True)."""
+    """A streamed delta (stream=True) or the whole answer (stream=False, finished=True) of one
+    sample; a request with `sampling.n` samples ends after one finished chunk per sample."""
 
     rid: str
     text: str
@@ -60,6 +61,7 @@ class GenerateChunk(Message):
     usage: Usage | None = None
     logprobs: list[float] | None = None
     prompt_token_ids: list[int] | None = None  # on the first chunk when the prompt was text
+    index: int = 0  # which sample (0 .. n-1) of the request this chunk belongs to
 
 
 class ErrorReply(Message):

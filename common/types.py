@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
 
 Tier = Literal["device", "host", "storage"]
 FinishReason = Literal["stop", "length", "abort", "error"]
+MAX_SAMPLES = 16  # the most samples (`n`) one request may ask for
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**63 - MAX_SAMPLES
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -25,7 +29,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    n: int = 1
+    n: int = 1  # samples of the same prompt; the siblings reuse the first one's prefill via the cache
     logprobs: bool = False
 
     def validate(self, max_context_len: int) -> None:
@@ -46,8 +50,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if not (-2.0 <= self.presence_penalty <= 2.0):
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if self.n != 1:
-            raise ValueError(f"n must be 1 for now, got {self.n}")
+        # Sample i of an n > 1 request samples with seed + i: that must still fit the wire's int64.
+        if self.seed is not None and not (_SEED_MIN <= self.seed <= _SEED_MAX):
+            raise ValueError(f"seed must be in [{_SEED_MIN}, {_SEED_MAX}], got {self.seed}")
+        if not (1 <= self.n <= MAX_SAMPLES):
+            raise ValueError(f"n must be in [1, {MAX_SAMPLES}], got {self.n}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
@@ -70,3 +77,16 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: CachedTokens = CachedTokens()
+
+
+def combined_usage(usages: Sequence[Usage]) -> Usage:
+    """The usage of one request's samples (in index order): the prompt counted once, with the
+    cached tokens of its one real lookup (the first sample's), completion tokens summed."""
+    if not usages:
+        raise ValueError("usages must be non-empty")
+    first = usages[0]
+    return Usage(
+        prompt_tokens=first.prompt_tokens,
+        completion_tokens=sum(u.completion_tokens for u in usages),
+        cached_tokens=first.cached_tokens,
+    )

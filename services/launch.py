@@ -22,7 +22,7 @@ from himamba.common.config import Config, encode
 from himamba.common.messages import Fatal, Ready, ToLauncher
 
 SERVICES = ("worker", "cache", "scheduler", "tokenizer")
-_STOP_GRACE_S = 4.0
+_STOP_GRACE_S = 4.5
 
 
 class Child(NamedTuple):
@@ -136,10 +136,11 @@ class Launcher:
 
     def _stop_all(self) -> None:
         """Drain in dependency order: the front door first (it stops accepting and finishes or
-        aborts what is in flight), then the cache controller (it flushes pending writes), then
-        the scheduler and the worker. Everything is gone within the grace period."""
+        aborts what is in flight), then the back end. Everything is gone within the grace period."""
         deadline = time.monotonic() + _STOP_GRACE_S
-        for stage, share in (({"tokenizer"}, 0.55), ({"cache"}, 0.75), ({"scheduler", "worker"}, 1.0)):
+        # Process exit itself takes a second or two (torch teardown), so the back end is
+        # signalled together once the front door is gone, to overlap their exits.
+        for stage, share in (({"tokenizer"}, 0.55), ({"cache", "scheduler", "worker"}, 1.0)):
             live = [c for c in self.children if c.name in stage and c.proc.poll() is None]
             for c in live:
                 try:

@@ -37,8 +37,10 @@ class RequestOutput:
         stops: list[str],
         prompt_len: int,
         prompt_token_ids: list[int] | None = None,
+        index: int = 0,
     ):
         self.client_rid = client_rid
+        self.index = index  # the sample of an n > 1 request: every chunk carries it
         self._stream = stream
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stop = StopMatcher(stops)
@@ -123,4 +125,5 @@ class RequestOutput:
             usage=usage,
             logprobs=None if logprobs is None else list(logprobs),
             prompt_token_ids=prompt_ids,
+            index=self.index,
         )

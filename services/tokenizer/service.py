@@ -2,7 +2,9 @@
 
 Client side (`cfg.endpoints.zmq_endpoint`): decode `ClientRequest`s, validate and tokenize, send
 `AddRequest` / `AbortRequest` to the scheduler, answer every request with `GenerateChunk`s or an
-`ErrorReply` (bad input never crashes the service and is never dropped silently).
+`ErrorReply` (bad input never crashes the service and is never dropped silently). A request with
+n > 1 samples is n scheduler requests; the siblings wait for the first one's prefill
+(`samples.py`); an abort or a disconnect ends them all, a failure of one fails the request.
 Scheduler side (own inbox): `TokenBatch` outputs are detokenized, checked for stop strings and
 streamed back; a completed stop string sends `StopRequest` to the scheduler.
 HTTP side (`cfg.http`, see `http/server.py`): each HTTP request is an in-process client with its
@@ -52,8 +54,9 @@ from himamba.services.tokenizer.local_clients import LocalClients, ReplyStream
 from himamba.services.tokenizer.output import RequestOutput
 from himamba.services.tokenizer.peers import PEERS, PeerTable, Readiness
 from himamba.services.tokenizer.prepare import RequestLimits, prepare_request
-from himamba.services.tokenizer.request_metrics import RequestMetrics
+from himamba.services.tokenizer.request_metrics import RequestClock, RequestMetrics
 from himamba.services.tokenizer.requests import RequestEntry, RequestTable, internal_rid
+from himamba.services.tokenizer.samples import sample_requests
 
 # A peer whose metrics reports stop for this many report intervals counts as gone.
 _STALE_REPORTS = 5
@@ -166,12 +169,16 @@ class TokenizerService(Actor[ToTokenizer]):
     async def stop(self) -> None:
         # Tell clients still waiting that no answer is coming, rather than leaving them hanging,
         # and the scheduler to free what they hold (it may be stopping too: best effort).
+        told: set[tuple[bytes, str]] = set()
         for entry in self.table.entries():
             self.table.pop(entry.rid)
-            reply = ErrorReply(message="server shutting down", rid=entry.client_rid, code=503)
             try:
-                await self._reply(entry.identity, reply)
-                await self._send_scheduler(AbortRequest(rid=entry.rid))
+                if (entry.identity, entry.client_rid) not in told:  # one reply per request, not per sample
+                    told.add((entry.identity, entry.client_rid))
+                    reply = ErrorReply(message="server shutting down", rid=entry.client_rid, code=503)
+                    await self._reply(entry.identity, reply)
+                if entry.held is None:
+                    await self._send_scheduler(AbortRequest(rid=entry.rid))
             except Exception:  # shutting down: best effort
                 pass
         if self._http is not None:
@@ -246,20 +253,16 @@ class TokenizerService(Actor[ToTokenizer]):
         if entry is None:
             return  # already finished here (stop string, abort): late outputs are expected
         if out.error:
-            self.table.pop(out.rid)
-            self._record_end(entry, "error", None)
-            await self._reply(entry.identity, ErrorReply(message=out.error, rid=entry.client_rid, code=500))
+            await self._fail_request(entry, out.error, abort_failed=False)
             return
+        if entry.holds_siblings:
+            await self._release_siblings(entry)
         self._request_metrics.on_tokens(entry.clock, len(out.token_ids), time.monotonic())
         try:
             step = entry.output.on_token_out(out)
         except Exception as e:
             self.log.error("output of %s failed\n%s", out.rid, traceback.format_exc())
-            self.table.pop(out.rid)
-            self._record_end(entry, "error", None)
-            await self._send_scheduler(AbortRequest(rid=out.rid))
-            error = ErrorReply(message=f"internal error: {e!r}", rid=entry.client_rid, code=500)
-            await self._reply(entry.identity, error)
+            await self._fail_request(entry, f"internal error: {e!r}", abort_failed=True)
             return
         if step.finished:
             self.table.pop(out.rid)
@@ -270,6 +273,24 @@ class TokenizerService(Actor[ToTokenizer]):
             await self._send_scheduler(StopRequest(rid=out.rid))
         if step.chunk is not None:
             await self._reply(entry.identity, step.chunk)
+
+    async def _release_siblings(self, first: RequestEntry) -> None:
+        """Sample 0 produced its first output (its prefill is done): send the held siblings."""
+        first.holds_siblings = False
+        for sibling in self.table.samples(first.identity, first.client_rid):
+            if sibling.held is not None:
+                add, sibling.held = sibling.held, None
+                await self._send_scheduler(add)
+
+    async def _fail_request(self, failed: RequestEntry, message: str, *, abort_failed: bool) -> None:
+        """A sample failed: its whole request fails with one ErrorReply, the other samples are
+        aborted (and the failed one too when the scheduler still runs it: `abort_failed`)."""
+        for entry in self.table.pop_request(failed.identity, failed.client_rid):
+            is_failed = entry is failed
+            self._record_end(entry, "error" if is_failed else "abort", None)
+            if entry.held is None and (abort_failed or not is_failed):
+                await self._send_scheduler(AbortRequest(rid=entry.rid))
+        await self._reply(failed.identity, ErrorReply(message=message, rid=failed.client_rid, code=500))
 
     # ------------------------------------------------------------ client side
 
@@ -296,27 +317,26 @@ class TokenizerService(Actor[ToTokenizer]):
         except Exception as e:  # a bug here must cost one request, not the front door
             self.log.error("client request failed\n%s", traceback.format_exc())
             rid = getattr(msg, "rid", "")
-            entry = self.table.pop(internal_rid(identity, rid))
-            if entry is not None:
+            for entry in self.table.pop_request(identity, rid):
                 self._record_end(entry, "error", None)
-                await self._send_scheduler(AbortRequest(rid=entry.rid))
+                if entry.held is None:
+                    await self._send_scheduler(AbortRequest(rid=entry.rid))
             await self._reply(identity, ErrorReply(message=f"internal error: {e!r}", rid=rid, code=500))
 
     def _auto_rid(self, identity: bytes) -> str:
         while True:
             self._next_auto_rid += 1
             rid = f"auto-{self._next_auto_rid}"
-            if internal_rid(identity, rid) not in self.table:
+            if not self.table.in_flight(identity, rid):
                 return rid
 
     async def _on_generate(self, identity: bytes, req: GenerateRequest) -> None:
         assert self._loaded is not None
         client_rid = req.rid or self._auto_rid(identity)
-        rid = internal_rid(identity, client_rid)
         if self._draining:
             await self._reply(identity, ErrorReply(message="server shutting down", rid=client_rid, code=503))
             return
-        if rid in self.table:
+        if self.table.in_flight(identity, client_rid):
             error = ErrorReply(message=f"rid {client_rid!r} is already in flight", rid=client_rid, code=409)
             await self._reply(identity, error)
             return
@@ -326,36 +346,51 @@ class TokenizerService(Actor[ToTokenizer]):
         except ValueError as e:
             await self._reply(identity, ErrorReply(message=str(e), rid=client_rid, code=400))
             return
-        output = RequestOutput(
-            client_rid,
-            self._loaded.tokenizer,
-            stream=req.stream,
-            stops=list(req.sampling.stop),
-            prompt_len=len(prepared.input_ids),
-            prompt_token_ids=prepared.input_ids if prepared.prompt_was_text else None,
+        n = req.sampling.n
+        adds = sample_requests(
+            [internal_rid(identity, client_rid, i) for i in range(n)],
+            prepared.input_ids,
+            req.sampling,
+            max_tokens=prepared.max_tokens,
+            eos_token_ids=self._eos_token_ids,
+            arrival_time=time.time(),
         )
-        self.table.add(RequestEntry(rid, identity, client_rid, output))
-        await self._send_scheduler(
-            AddRequest(
-                rid=rid,
-                input_ids=prepared.input_ids,
-                sampling=req.sampling,
-                max_tokens=prepared.max_tokens,
-                eos_token_ids=self._eos_token_ids,
-                arrival_time=time.time(),
+        arrival = time.monotonic()
+        for i, add in enumerate(adds):
+            output = RequestOutput(
+                client_rid,
+                self._loaded.tokenizer,
+                stream=req.stream,
+                stops=list(req.sampling.stop),
+                prompt_len=len(prepared.input_ids),
+                prompt_token_ids=prepared.input_ids if prepared.prompt_was_text else None,
+                index=i,
             )
-        )
+            entry = RequestEntry(
+                add.rid,
+                identity,
+                client_rid,
+                output,
+                RequestClock(arrival),
+                index=i,
+                held=add if i > 0 else None,
+                holds_siblings=i == 0 and n > 1,
+            )
+            self.table.add(entry)
+        await self._send_scheduler(adds[0])
 
     async def _on_abort(self, identity: bytes, client_rid: str) -> None:
-        entry = self.table.pop(internal_rid(identity, client_rid))
-        if entry is None:
+        entries = self.table.pop_request(identity, client_rid)
+        if not entries:
             error = ErrorReply(message=f"rid {client_rid!r} is not in flight", rid=client_rid, code=404)
             await self._reply(identity, error)
             return
-        await self._send_scheduler(AbortRequest(rid=entry.rid))
-        final = entry.output.finish("abort")
-        self._record_end(entry, "abort", final.usage)
-        await self._reply(identity, final)
+        for entry in entries:  # every unfinished sample ends with its own final "abort" chunk
+            if entry.held is None:
+                await self._send_scheduler(AbortRequest(rid=entry.rid))
+            final = entry.output.finish("abort")
+            self._record_end(entry, "abort", final.usage)
+            await self._reply(identity, final)
 
     async def _on_client_gone(self, identity: bytes) -> None:
         entries = self.table.pop_client(identity)
@@ -363,7 +398,8 @@ class TokenizerService(Actor[ToTokenizer]):
             self.log.info("client %s went away: aborting %d request(s)", identity.hex(), len(entries))
         for entry in entries:
             self._record_end(entry, "abort", None)
-            await self._send_scheduler(AbortRequest(rid=entry.rid))
+            if entry.held is None:
+                await self._send_scheduler(AbortRequest(rid=entry.rid))
 
     # ------------------------------------------------------------ sending
 

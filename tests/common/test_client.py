@@ -15,7 +15,7 @@ import zmq
 from himamba.common.client import AsyncClient, Client, Completion, HimambaError, make_request
 from himamba.common.config import Config
 from himamba.common.messages import AbortGenerate, ClientRequest, ErrorReply, GenerateChunk, GenerateRequest
-from himamba.common.types import CachedTokens, Usage
+from himamba.common.types import CachedTokens, Usage, combined_usage
 
 USAGE = Usage(prompt_tokens=2, completion_tokens=3, cached_tokens=CachedTokens(device=1, host=1, storage=0))
 
@@ -26,6 +26,8 @@ class FakeServer:
     "echo <words>": one chunk per word, then a final chunk ("length").
     "fail": an ErrorReply (code 418).  "silent": nothing.  "hold": one chunk, then nothing.
     An AbortGenerate for a held request gets the final "abort" chunk. Everything received is kept.
+    With sampling.n > 1 every sample i answers the same, its words suffixed with i, the samples'
+    chunks interleaved (finished ones last sample first).
     """
 
     def __init__(self) -> None:
@@ -34,6 +36,7 @@ class FakeServer:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.bind(self.endpoint)
         self.received: list[ClientRequest] = []
+        self._samples: dict[str, int] = {}  # n of each request, for its abort
         self._lock = threading.Lock()
         self._dec = msgspec.msgpack.Decoder(ClientRequest)
         self._enc = msgspec.msgpack.Encoder()
@@ -45,6 +48,9 @@ class FakeServer:
         self.sock.send_multipart([ident, self._enc.encode(reply)])
 
     def _answer(self, ident: bytes, req: GenerateRequest) -> None:
+        if req.sampling.n > 1:
+            self._answer_samples(ident, req)
+            return
         prompt = req.prompt or ""
         rid = req.rid
         if prompt == "fail":
@@ -64,6 +70,26 @@ class FakeServer:
                 self._send(ident, GenerateChunk(rid=rid, text=w, token_ids=[i], prompt_token_ids=prompt_ids))
             self._send(ident, final)
 
+    def _answer_samples(self, ident: bytes, req: GenerateRequest) -> None:
+        n, rid = req.sampling.n, req.rid
+        self._samples[rid] = n
+        if req.prompt == "hold":
+            for i in range(n):
+                self._send(ident, GenerateChunk(rid=rid, text=f"held{i}", token_ids=[i], index=i))
+            return
+        words = (req.prompt or "").split()[1:]
+        for j, w in enumerate(words if req.stream else []):
+            for i in range(n):
+                self._send(ident, GenerateChunk(rid=rid, text=f"{w}{i}", token_ids=[10 * i + j], index=i))
+        for i in reversed(range(n)):
+            text = "".join(f"{w}{i}" for w in words) if not req.stream else ""
+            ids = [10 * i + j for j in range(len(words))] if not req.stream else []
+            usage = Usage(prompt_tokens=2, completion_tokens=len(words), cached_tokens=CachedTokens(device=i))
+            final = GenerateChunk(
+                rid=rid, text=text, token_ids=ids, finished=True, finish_reason="length", usage=usage, index=i
+            )
+            self._send(ident, final)
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             if not self.sock.poll(50):
@@ -75,8 +101,11 @@ class FakeServer:
             if isinstance(msg, GenerateRequest):
                 self._answer(ident, msg)
             elif isinstance(msg, AbortGenerate):
-                aborted = GenerateChunk(rid=msg.rid, text="", token_ids=[], finished=True, finish_reason="abort")
-                self._send(ident, aborted)
+                for i in range(self._samples.get(msg.rid, 1)):
+                    aborted = GenerateChunk(
+                        rid=msg.rid, text="", token_ids=[], finished=True, finish_reason="abort", index=i
+                    )
+                    self._send(ident, aborted)
 
     def wait_received(self, cls: type, rid: str, timeout_s: float = 5.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -217,3 +246,46 @@ def test_async_timeout(server: FakeServer) -> None:
     with pytest.raises(TimeoutError):
         asyncio.run(main())
     server.wait_received(AbortGenerate, "at")
+
+
+def test_generate_n_returns_one_completion_per_sample_by_index(server: FakeServer) -> None:
+    with Client(server.endpoint, timeout_s=5) as c:
+        outs = c.generate_n("echo a b", rid="n1", n=3, seed=5, temperature=0.7)
+        with pytest.raises(ValueError, match="generate_n"):
+            c.generate("echo a", n=2)  # type: ignore[call-arg]
+    assert [o.index for o in outs] == [0, 1, 2]
+    assert [o.text for o in outs] == ["a0b0", "a1b1", "a2b2"]
+    assert [o.token_ids for o in outs] == [[0, 1], [10, 11], [20, 21]]
+    assert all(o.rid == "n1" and o.finish_reason == "length" for o in outs)
+    assert [o.usage.cached_tokens.device for o in outs if o.usage is not None] == [0, 1, 2]
+    (req,) = [m for m in server.received if isinstance(m, GenerateRequest) and m.rid == "n1"]
+    assert (req.sampling.n, req.sampling.seed, req.stream) == (3, 5, False)
+    assert combined_usage([o.usage for o in outs if o.usage is not None]) == Usage(
+        prompt_tokens=2, completion_tokens=6, cached_tokens=CachedTokens(device=0)
+    )
+
+
+def test_a_stream_of_n_samples_ends_after_every_sample_finished(server: FakeServer) -> None:
+    with Client(server.endpoint, timeout_s=5) as c:
+        chunks = list(c.stream("echo x y", n=2))
+    assert [(ch.index, ch.text) for ch in chunks if not ch.finished] == [(0, "x0"), (1, "x1"), (0, "y0"), (1, "y1")]
+    assert sorted(ch.index for ch in chunks if ch.finished) == [0, 1]
+    assert chunks[-1].finished
+
+
+def test_abort_of_n_samples_ends_every_sample(server: FakeServer) -> None:
+    with Client(server.endpoint, timeout_s=5) as c:
+        it = c.stream("hold", rid="hn", n=3)
+        assert [next(it).text for _ in range(3)] == ["held0", "held1", "held2"]
+        c.abort("hn")
+        assert sorted((ch.index, ch.finish_reason) for ch in it) == [(0, "abort"), (1, "abort"), (2, "abort")]
+
+
+def test_async_generate_n(server: FakeServer) -> None:
+    async def main() -> list[Completion]:
+        async with AsyncClient(server.endpoint, timeout_s=5) as c:
+            with pytest.raises(ValueError, match="generate_n"):
+                await c.generate("echo a", n=2)  # type: ignore[call-arg]
+            return await c.generate_n("echo q", n=2)
+
+    assert [(o.index, o.text) for o in asyncio.run(main())] == [(0, "q0"), (1, "q1")]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from himamba.common.config import Config
 from himamba.common.messages import (
     AbortRequest,
     AddRequest,
+    CacheStats,
     Message,
     Ready,
     TokenBatch,
@@ -36,6 +36,7 @@ from himamba.common.messages import (
     ToScheduler,
 )
 from himamba.common.types import CachedTokens
+from himamba.services.bench.servers import ServerProcess, start_server
 from himamba.services.modelgen.tokenizer_files import build_demo_tokenizer
 
 REPLY_TEXT = "héllo wörld 日本語 done"
@@ -274,18 +275,26 @@ def harness(model_dir: Path, demo_tokenizer: Tokenizer) -> Iterator[Harness]:
 
 # ---------------------------------------------------------------- a real server (himamba serve)
 
+LIVE_API_KEY = "sk-himamba-test"
+
 
 class LiveServer:
     """A `himamba serve` with unique endpoints and its HTTP port; stopped by PID."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], port: int, log_path: Path):
-        self.proc = proc
+    def __init__(self, server: ServerProcess, port: int, api_key: str):
+        self.server = server
+        self.proc = server.proc
         self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
-        self.log_path = log_path
+        self.endpoint = server.endpoint  # ZeroMQ clients
+        self.api_key = api_key
+        self.log_path = server.log_path
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        return self.server.log()
+
+    def cache_stats(self) -> CacheStats:
+        return self.server.cache_stats()
 
     def get(self, path: str) -> HttpResult:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
@@ -297,38 +306,15 @@ class LiveServer:
             conn.close()
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        self.server.stop(timeout_s)
 
 
-def start_live_server(model_dir: Path, log_dir: Path, *flags: str, ready_timeout_s: float = 180.0) -> LiveServer:
+def start_live_server(model_dir: Path, log_dir: Path, *flags: str, api_key: str = "") -> LiveServer:
     """`himamba serve` on `model_dir` with unique ZeroMQ endpoints and a free HTTP port."""
-    tag = uuid.uuid4().hex[:12]
     port = free_port()
-    args = [sys.executable, "-P", "-m", "himamba.services.cli", "serve", "--model", str(model_dir)]
-    args += ["--torch-threads", "1", "--port", str(port)]
-    for name in ("zmq_endpoint", "tokenizer_ipc", "scheduler_ipc", "worker_ipc", "cache_ipc", "control_ipc"):
-        args += ["--" + name.replace("_", "-"), f"ipc://@himamba-test-{tag}-{name}"]
-    args += list(flags)
-    log_path = log_dir / f"server-{tag}.log"
-    with open(log_path, "wb") as log:
-        env = dict(os.environ, PYTHONSAFEPATH="1")
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    server = LiveServer(proc, port, log_path)
-    deadline = time.monotonic() + ready_timeout_s
-    while time.monotonic() < deadline:
-        if "himamba is ready" in server.log():
-            return server
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
-        time.sleep(0.2)
-    server.stop()
-    raise TimeoutError(f"server not ready in {ready_timeout_s}s:\n{server.log()[-4000:]}")
+    key_flags = ("--api-key", api_key) if api_key else ()
+    server = start_server(model_dir, log_dir, "--port", str(port), *key_flags, *flags)
+    return LiveServer(server, port, api_key)
 
 
 @pytest.fixture(scope="session")
@@ -340,6 +326,11 @@ def demo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def start_live_server_fn() -> Callable[..., LiveServer]:
-    """`start_live_server` for test modules (conftest modules are not importable)."""
-    return start_live_server
+def live_server(demo_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """One real server (random-weight NemotronH, API key `LiveServer.api_key`) shared by the
+    modules that need a model: started on first use, stopped at the end of the session."""
+    server = start_live_server(demo_checkpoint, tmp_path_factory.mktemp("logs"), api_key=LIVE_API_KEY)
+    try:
+        yield server
+    finally:
+        server.stop()

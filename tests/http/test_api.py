@@ -190,7 +190,9 @@ def _assert_error(r: Any, status: int, param: str | None = None) -> dict[str, An
         ({"prompt": 12}, 400, "prompt"),
         ({"max_tokens": 3}, 400, "prompt"),
         ({"prompt": "x", "temperature": -1}, 400, "temperature"),
-        ({"prompt": "x", "n": 2}, 400, "n"),
+        ({"prompt": "x", "n": 17}, 400, "n"),
+        ({"prompt": "x", "n": 0}, 400, "n"),
+        ({"prompt": "x", "n": 2, "best_of": 3}, 400, "best_of"),
         ({"prompt": "x", "logprobs": 3}, 400, "logprobs"),
         ({"prompt": ["a", "b"]}, 400, "prompt"),
         ({"prompt": [1, "a"]}, 400, "prompt"),
@@ -256,3 +258,57 @@ def test_client_disconnect_while_waiting_for_a_whole_answer_aborts(harness: Harn
     conn.sock.close()  # type: ignore[union-attr]
     conn.close()
     harness.scheduler.wait_for(lambda m: isinstance(m, AbortRequest) and m.rid == add.rid)
+
+
+def test_n_choices_whole_answer_counts_the_prompt_once(harness: Harness):
+    ids = harness.tokenizer.encode("def sample():").ids
+    body = {"prompt": ids, "n": 3, "seed": 5, "temperature": 0.8, "logprobs": 0, "return_token_ids": True}
+    r = harness.post("/v1/completions", body)
+    assert r.status == 200, r.body
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    for c in out["choices"]:
+        assert c["text"] == harness.reply_text and c["finish_reason"] == "length"
+        assert c["token_ids"] == harness.scheduler.reply_ids
+        assert c["logprobs"]["text_offset"][0] == 0  # each choice's offsets start at its own text
+    usage = out["usage"]
+    assert usage["prompt_tokens"] == len(ids)  # once, not three times
+    assert usage["completion_tokens"] == 3 * len(harness.scheduler.reply_ids)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == harness.cached.total
+    adds = [m for m in harness.scheduler.adds() if m.input_ids == ids]
+    assert sorted(a.sampling.seed for a in adds) == [5, 6, 7]
+
+
+def test_n_choices_stream_carries_each_choice_index(harness: Harness):
+    body = {
+        "messages": [{"role": "user", "content": "two please"}],
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    resp, events = _stream(harness, "/v1/chat/completions", body)
+    assert resp.status == 200 and events[-1] == "[DONE]"
+    *deltas, usage_chunk = events[:-1]
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in deltas if c["choices"][0]["index"] == index]
+        assert [("role" in c["delta"]) for c in mine] == [True] + [False] * (len(mine) - 1)
+        assert "".join(c["delta"].get("content", "") for c in mine) == harness.reply_text
+        assert [c["finish_reason"] for c in mine][-1] == "length"
+        assert all(c["finish_reason"] is None for c in mine[:-1])
+    assert all(len(c["choices"]) == 1 for c in deltas)
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == 2 * len(harness.scheduler.reply_ids)
+
+
+def test_client_disconnect_aborts_every_choice(harness: Harness):
+    conn = http.client.HTTPConnection("127.0.0.1", harness.port, timeout=30)
+    body = {"prompt": "hold them all", "stream": True, "n": 3}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Authorization": f"Bearer {harness.api_key}"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    first = json.loads(resp.readline().decode()[len("data: ") :])
+    ids = harness.tokenizer.encode("hold them all").ids
+    harness.scheduler.wait_for(lambda m: len([a for a in harness.scheduler.adds() if a.input_ids == ids]) == 3)
+    conn.sock.close()  # type: ignore[union-attr]
+    conn.close()
+    harness.scheduler.wait_for(lambda m: len(harness.scheduler.aborts_of(":" + first["id"])) == 3)

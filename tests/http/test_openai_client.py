@@ -11,21 +11,16 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-API_KEY = "sk-himamba-test"
+
+@pytest.fixture(scope="module")
+def live(live_server: Any) -> Any:
+    return live_server
 
 
 @pytest.fixture(scope="module")
-def live(demo_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, start_live_server_fn: Any) -> Iterator[Any]:
-    server = start_live_server_fn(demo_checkpoint, tmp_path_factory.mktemp("logs"), "--api-key", API_KEY)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(live: Any) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+def client(live: Any) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=live.base_url + "/v1", api_key=live.api_key, max_retries=0, timeout=120) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +108,8 @@ def test_repeated_prefix_is_served_from_cache(client: openai.OpenAI, model: str)
 
 def test_errors_surface_as_openai_exceptions(client: openai.OpenAI, model: str, live: Any):
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=model, prompt="x", n=2)
-    assert e.value.status_code == 400 and "n must be 1" in str(e.value)
+        client.completions.create(model=model, prompt="x", n=17)
+    assert e.value.status_code == 400 and "n must be in [1, 16]" in str(e.value)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="x")
     with pytest.raises(openai.BadRequestError):

@@ -84,7 +84,7 @@ def test_medium_nemotron_h_is_about_20m_parameters() -> None:
     assert 15_000_000 < params < 25_000_000
 
 
-@pytest.mark.parametrize(("arch", "preset"), [("mamba2", "tiny"), ("granite_hybrid", "medium"), ("nemotron_h", "huge")])
+@pytest.mark.parametrize(("arch", "preset"), [("rwkv7", "tiny"), ("granite_hybrid", "medium"), ("nemotron_h", "huge")])
 def test_unknown_arch_or_preset_is_rejected(tmp_path: Path, arch: str, preset: str) -> None:
     with pytest.raises(ValueError, match="arch|preset"):
         make_checkpoint(arch, tmp_path, preset=preset)

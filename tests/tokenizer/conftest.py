@@ -57,8 +57,9 @@ class FakeScheduler:
     """Answers AddRequests like a scheduler would, and records everything it receives.
 
     The decoded prompt picks the behaviour: "hold..." sends two tokens and never finishes,
-    "error..." answers with TokenOut.error, anything else streams REPLY_TEXT's tokens (one per
-    TokenBatch, up to max_tokens) and finishes with "length".
+    "error..." answers with TokenOut.error, "silent..." never answers (a prefill that does not
+    end), anything else streams REPLY_TEXT's tokens (one per TokenBatch, up to max_tokens) and
+    finishes with "length".
     """
 
     def __init__(self, cfg: Config, tokenizer: Tokenizer):
@@ -83,6 +84,8 @@ class FakeScheduler:
     def _answer(self, req: AddRequest) -> None:
         prompt = self.tokenizer.decode(req.input_ids)
         n_prompt = len(req.input_ids)
+        if prompt.startswith("silent"):
+            return
         if prompt.startswith("error"):
             self._send([TokenOut(rid=req.rid, token_ids=[], error="boom", prompt_tokens=n_prompt)])
             return
@@ -208,4 +211,3 @@ def server(model_dir: Path, demo_tokenizer: Tokenizer) -> Iterator[Server]:
             proc.wait(5)
         scheduler.close()
         ctx.destroy(linger=0)
-

@@ -42,7 +42,9 @@ def test_max_tokens_is_capped_by_the_room_left(demo_tokenizer: Tokenizer) -> Non
         (GenerateRequest(prompt="a", sampling=SamplingParams(max_tokens=101)), "max_tokens"),
         (GenerateRequest(prompt="a", sampling=SamplingParams(stop=[""])), "stop"),
         (GenerateRequest(prompt="a", sampling=SamplingParams(stop_token_ids=[4096])), "stop_token_ids"),
-        (GenerateRequest(prompt="a", sampling=SamplingParams(n=2)), "n must be 1"),
+        (GenerateRequest(prompt="a", sampling=SamplingParams(n=0)), "n must be in [1, 16]"),
+        (GenerateRequest(prompt="a", sampling=SamplingParams(n=17)), "n must be in [1, 16]"),
+        (GenerateRequest(prompt="a", sampling=SamplingParams(seed=2**63 - 1)), "seed must be in"),
     ],
 )
 def test_bad_requests_raise_value_error_naming_the_field(

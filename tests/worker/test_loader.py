@@ -142,10 +142,20 @@ def test_unsupported_architecture_is_rejected(checkpoint: Path, tmp_path: Path) 
         load_model(dst)
 
 
-def test_registry_knows_both_families() -> None:
-    assert supported_architectures() == ("GraniteMoeHybridForCausalLM", "NemotronHForCausalLM")
+def test_registry_knows_every_family() -> None:
+    assert supported_architectures() == (
+        "BambaForCausalLM",
+        "FalconH1ForCausalLM",
+        "GraniteMoeHybridForCausalLM",
+        "JambaForCausalLM",
+        "Lfm2ForCausalLM",
+        "Mamba2ForCausalLM",
+        "NemotronHForCausalLM",
+        "Qwen3NextForCausalLM",
+        "Zamba2ForCausalLM",
+    )
     with pytest.raises(ValueError, match="supported"):
-        model_class("Mamba2ForCausalLM")
+        model_class("RwkvForCausalLM")
 
 
 def test_config_reader_decodes_tagged_and_bare_infinity(tmp_path: Path) -> None:

@@ -91,8 +91,6 @@ def decode_body(raw: bytes, body_type: type[CompletionBody] | type[ChatBody]) ->
 
 
 def _check_common(body: _Body) -> None:
-    if body.n != 1:
-        raise ApiError(400, f"n must be 1 (several choices per request are not supported), got {body.n}", param="n")
     if body.logit_bias:
         raise ApiError(400, "logit_bias is not supported", param="logit_bias")
 
@@ -118,6 +116,7 @@ def sampling_of(body: _Body, max_tokens: int | None, logprobs: bool) -> Sampling
         repetition_penalty=body.repetition_penalty,
         frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty,
+        n=body.n,
         logprobs=logprobs,
     )
 
@@ -148,8 +147,8 @@ def check_completion(body: CompletionBody) -> bool:
     _check_common(body)
     if body.echo:
         raise ApiError(400, "echo is not supported", param="echo")
-    if body.best_of not in (None, 1):
-        raise ApiError(400, f"best_of must be 1, got {body.best_of}", param="best_of")
+    if body.best_of not in (None, 1, body.n):  # best_of == n: every sample is returned, nothing to rank
+        raise ApiError(400, f"best_of must be 1 or n ({body.n}), got {body.best_of}", param="best_of")
     if body.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
     if body.logprobs is not None and body.logprobs != 0:

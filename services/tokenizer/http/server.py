@@ -24,6 +24,7 @@ from himamba.common.config import HttpConfig
 from himamba.common.messages import ErrorReply, GenerateChunk, GenerateRequest
 from himamba.common.metrics import HTTP_RESPONSES
 from himamba.common.metrics_report import ServiceMetrics
+from himamba.common.types import Usage, combined_usage
 from himamba.services.tokenizer.http.bodies import (
     ChatBody,
     CompletionBody,
@@ -202,7 +203,7 @@ class HttpServer:
             sampling=sampling_of(body, body.max_tokens, logprobs),
             stream=body.stream,
         )
-        builder = self._builder("completion", response_id, body.return_token_ids, logprobs, prompt.token_ids)
+        builder = self._builder("completion", response_id, body.return_token_ids, logprobs, prompt.token_ids, body.n)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return await self._serve(request, req, builder, include_usage)
 
@@ -234,12 +235,18 @@ class HttpServer:
             sampling=sampling_of(body, max_tokens, body.logprobs),
             stream=body.stream,
         )
-        builder = self._builder("chat", response_id, body.return_token_ids, body.logprobs, input_ids)
+        builder = self._builder("chat", response_id, body.return_token_ids, body.logprobs, input_ids, body.n)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return await self._serve(request, req, builder, include_usage)
 
     def _builder(
-        self, kind: Kind, response_id: str, return_token_ids: bool, logprobs: bool, prompt_ids: list[int] | None
+        self,
+        kind: Kind,
+        response_id: str,
+        return_token_ids: bool,
+        logprobs: bool,
+        prompt_ids: list[int] | None,
+        n: int,
     ) -> ResponseBuilder:
         return ResponseBuilder(
             kind,
@@ -250,6 +257,7 @@ class HttpServer:
             return_token_ids=return_token_ids,
             logprobs=logprobs,
             prompt_token_ids=prompt_ids,
+            n=n,
         )
 
     async def _serve(
@@ -262,14 +270,23 @@ class HttpServer:
             if isinstance(first, ErrorReply):
                 raise _reply_error(first)
             if not req.stream:
-                reply = first if first is not None else await stream.next()
-                if isinstance(reply, ErrorReply):
-                    raise _reply_error(reply)
-                assert reply.finished, "a stream=False request has one, finished, chunk"
-                return _json(builder.whole(reply))
+                return _json(builder.whole(await self._whole_chunks(stream, first, req.sampling.n)))
             return await self._stream(request, stream, first, builder, include_usage)
         finally:
             await stream.close()
+
+    async def _whole_chunks(self, stream: ReplyStream, first: GenerateChunk | None, n: int) -> list[GenerateChunk]:
+        """The one finished chunk of each of the `n` samples of a stream=False request."""
+        chunks: list[GenerateChunk] = []
+        reply: ErrorReply | GenerateChunk = first if first is not None else await stream.next()
+        while True:
+            if isinstance(reply, ErrorReply):
+                raise _reply_error(reply)
+            assert reply.finished, "a stream=False request has one, finished, chunk per sample"
+            chunks.append(reply)
+            if len(chunks) == n:
+                return chunks
+            reply = await stream.next()
 
     async def _stream(
         self,
@@ -298,6 +315,8 @@ class HttpServer:
         include_usage: bool,
     ) -> None:
         reply = first if first is not None else await stream.next()
+        usages: list[Usage | None] = [None] * builder.n  # by choice, once it finished
+        unfinished = builder.n
         while True:
             if isinstance(reply, ErrorReply):
                 # Headers are gone already: the error travels as an event, as OpenAI does.
@@ -307,8 +326,12 @@ class HttpServer:
             if event is not None:
                 await response.write(_sse(event))
             if reply.finished:
-                if include_usage and reply.usage is not None:
-                    await response.write(_sse(builder.usage_chunk(reply.usage)))
+                usages[reply.index] = reply.usage
+                unfinished -= 1
+            if unfinished == 0:
+                done = [u for u in usages if u is not None]
+                if include_usage and len(done) == builder.n:
+                    await response.write(_sse(builder.usage_chunk(combined_usage(done))))
                 break
             reply = await stream.next()
         await response.write(b"data: [DONE]\n\n")

@@ -17,6 +17,7 @@ from himamba.kernels import causal_conv1d, causal_conv1d_update, selective_state
 from himamba.services.worker.forward_batch import ForwardBatch
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.norm import GatedRMSNorm
+from himamba.services.worker.layers.pool_rows import consecutive_rows
 from himamba.services.worker.pools import StateComponent
 
 
@@ -163,11 +164,16 @@ class Mamba2Mixer(nn.Module):
         conv_pool, ssm_pool = state["conv"], state["ssm"]
         slots = batch.state_slots
         batch_size = xbc.shape[0]
-        conv_state = conv_pool.index_select(0, slots)
+        # Both kernels update the state they are given in place: the pool rows themselves when
+        # the slots are consecutive (always for one sequence), else gathered copies written back.
+        conv_state = consecutive_rows(conv_pool, slots)
+        ssm_state = consecutive_rows(ssm_pool, slots)
+        gathered = conv_state is None or ssm_state is None
+        if gathered:
+            conv_state = conv_pool.index_select(0, slots)
+            ssm_state = ssm_pool.index_select(0, slots)
         xbc = causal_conv1d_update(xbc, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, "silu")
-        conv_pool.index_copy_(0, slots, conv_state)
         x, b, c = self._split_xbc(xbc)
-        ssm_state = ssm_pool.index_select(0, slots)
         y = selective_state_update(
             ssm_state,
             x.reshape(batch_size, self.num_heads, self.head_dim),
@@ -180,5 +186,7 @@ class Mamba2Mixer(nn.Module):
             dt_softplus=True,
             dt_limit=self.dt_limit,
         )
-        ssm_pool.index_copy_(0, slots, ssm_state)
+        if gathered:
+            conv_pool.index_copy_(0, slots, conv_state)
+            ssm_pool.index_copy_(0, slots, ssm_state)
         return y.reshape(batch_size, self.intermediate_size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from himamba.services.worker.layers.activation import activation_fn
+from himamba.services.worker.layers.activation import activation_fn, inplace_activation_fn
 from himamba.services.worker.layers.linear import Linear
 
 
@@ -22,7 +22,7 @@ class MLP(nn.Module):
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
-        self.act = activation_fn(activation)
+        self.act = inplace_activation_fn(activation)  # applied to up_proj's fresh output
         self.up_proj = Linear(hidden_size, intermediate_size, bias, device, dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, bias, device, dtype)
 

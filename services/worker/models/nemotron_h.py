@@ -297,7 +297,7 @@ class NemotronHForCausalLM(nn.Module):
                     out = block.mixer(x, batch, kv.k[block.pool_index], kv.v[block.pool_index])
                 else:
                     out = block.mixer(x)
-                h = h + out
+                h.add_(out)  # h is this forward's own tensor (the embedding lookup's output)
             last = h.index_select(0, batch.last_token_index.to(h.device))
             return self.lm_head(self.model.norm_f(last))
 

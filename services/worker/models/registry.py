@@ -8,9 +8,16 @@ from typing import Any, Protocol
 
 import torch
 
+from himamba.services.worker.models.bamba import BambaForCausalLM
 from himamba.services.worker.models.base import HybridModel
+from himamba.services.worker.models.falcon_h1 import FalconH1ForCausalLM
 from himamba.services.worker.models.granite_hybrid import GraniteHybridForCausalLM
+from himamba.services.worker.models.jamba import JambaForCausalLM
+from himamba.services.worker.models.lfm2 import Lfm2ForCausalLM
+from himamba.services.worker.models.mamba2 import Mamba2ForCausalLM
 from himamba.services.worker.models.nemotron_h import NemotronHForCausalLM
+from himamba.services.worker.models.qwen3_next import Qwen3NextForCausalLM
+from himamba.services.worker.models.zamba2 import Zamba2ForCausalLM
 
 
 class ModelClass(Protocol):
@@ -23,6 +30,13 @@ _ARCHITECTURES: Mapping[str, ModelClass] = MappingProxyType(
     {
         "NemotronHForCausalLM": NemotronHForCausalLM,
         "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM,
+        "BambaForCausalLM": BambaForCausalLM,
+        "FalconH1ForCausalLM": FalconH1ForCausalLM,
+        "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+        "Mamba2ForCausalLM": Mamba2ForCausalLM,
+        "Zamba2ForCausalLM": Zamba2ForCausalLM,
+        "Lfm2ForCausalLM": Lfm2ForCausalLM,
+        "JambaForCausalLM": JambaForCausalLM,
     }
 )
 

@@ -1,0 +1,48 @@
+"""n > 1: one client request, n samples of the same prompt.
+
+Each sample is its own scheduler request (rid per sample index, see `requests.py`). Sample 0 is
+sent alone; its siblings are held until its first output arrives. By then its prefill is done and
+the scheduler has handed the prompt's states to the cache before admitting anything else, so the
+siblings find the prompt there and compute only its last tokens instead of all of it n times.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from himamba.common.messages import AddRequest
+from himamba.common.types import SamplingParams
+
+
+def sample_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """How sample `index` samples: alone (n = 1), with seed + index when seeded, so that the
+    samples differ from each other and each is reproducible."""
+    if sampling.n == 1:
+        return sampling
+    seed = None if sampling.seed is None else sampling.seed + index
+    return msgspec.structs.replace(sampling, n=1, seed=seed)
+
+
+def sample_requests(
+    rids: list[str],
+    input_ids: list[int],
+    sampling: SamplingParams,
+    *,
+    max_tokens: int,
+    eos_token_ids: list[int],
+    arrival_time: float,
+) -> list[AddRequest]:
+    """The scheduler requests of a request's samples, one per rid (in sample order)."""
+    if len(rids) != sampling.n:
+        raise ValueError(f"rids: expected {sampling.n} (one per sample), got {len(rids)}")
+    return [
+        AddRequest(
+            rid=rid,
+            input_ids=input_ids,
+            sampling=sample_sampling(sampling, i),
+            max_tokens=max_tokens,
+            eos_token_ids=eos_token_ids,
+            arrival_time=arrival_time,
+        )
+        for i, rid in enumerate(rids)
+    ]

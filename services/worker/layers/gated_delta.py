@@ -1,0 +1,168 @@
+"""Qwen3-Next's gated DeltaNet linear attention, reading and writing the recurrent state pool.
+
+Layout (HF names): `in_proj_qkvz` -> per key head [q (Dk) | k (Dk) | v (r*Dv) | z (r*Dv)] with
+r = Hv / Hk value heads per key head; `in_proj_ba` -> per key head [b (r) | a (r)]. The conv input
+is [q | k | v] (all heads), a depthwise causal `conv1d` + SiLU without bias. Then beta = sigmoid(b),
+g = -exp(A_log) * softplus(a + dt_bias), the gated delta rule with L2-normalised q and k, a per-head
+RMS norm times silu(z) (`norm`, normalised before the gate), and `out_proj`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from himamba.kernels import (
+    causal_conv1d,
+    causal_conv1d_update,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule_update,
+)
+from himamba.services.worker.forward_batch import ForwardBatch
+from himamba.services.worker.layers.linear import Linear
+from himamba.services.worker.layers.mamba2 import DepthwiseConv
+from himamba.services.worker.layers.recurrent_segments import State, run_prefill
+from himamba.services.worker.pools import StateComponent
+
+# FLA's and transformers' chunk length for the chunked delta rule.
+_CHUNK_SIZE = 64
+
+
+class HeadGatedRMSNorm(nn.Module):
+    """RMS norm over each head's Dv channels, times weight (cast first), then times silu(gate) in float32."""
+
+    def __init__(self, head_dim: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(head_dim, device=device, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * normed.to(x.dtype)
+        return (out * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """A gated DeltaNet layer over the concatenated tokens of a ForwardBatch.
+
+    State in the pool: "conv" [slots, 2*Hk*Dk + Hv*Dv, K-1], the last conv inputs, in the model
+    dtype; "recurrent" [slots, Hv, Dk, Dv], the delta-rule state, in float32. A_log and dt_bias
+    are kept in float32 whatever the model dtype.
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int,
+        norm_eps: float,
+        device: torch.device,
+        dtype: torch.dtype,
+        activation: str = "silu",
+    ) -> None:
+        super().__init__()
+        if num_k_heads < 1 or num_v_heads % num_k_heads != 0:
+            raise ValueError(f"linear_num_key_heads ({num_k_heads}) must divide linear_num_value_heads ({num_v_heads})")
+        if activation not in ("silu", "swish"):
+            raise ValueError(f"the gated DeltaNet conv activation must be 'silu', got {activation!r}")
+        if conv_kernel < 2:
+            raise ValueError(f"linear_conv_kernel_dim must be >= 2, got {conv_kernel}")
+        self.num_k_heads = num_k_heads
+        self.num_v_heads = num_v_heads
+        self.head_k_dim = head_k_dim
+        self.head_v_dim = head_v_dim
+        self.conv_kernel = conv_kernel
+        self.dtype = dtype
+        self.key_dim = num_k_heads * head_k_dim
+        self.value_dim = num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkvz = Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, False, device, dtype)
+        self.in_proj_ba = Linear(hidden_size, 2 * num_v_heads, False, device, dtype)
+        self.conv1d = DepthwiseConv(self.conv_dim, conv_kernel, False, device, dtype)
+        f32 = torch.float32
+        self.dt_bias = nn.Parameter(torch.empty(num_v_heads, device=device, dtype=f32), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(num_v_heads, device=device, dtype=f32), requires_grad=False)
+        self.norm = HeadGatedRMSNorm(head_v_dim, norm_eps, device, dtype)
+        self.out_proj = Linear(self.value_dim, hidden_size, False, device, dtype)
+
+    def state_components(self) -> tuple[StateComponent, ...]:
+        """This layer's entries of the state pool: "conv" (model dtype) and "recurrent" (float32)."""
+        return (
+            StateComponent("conv", (self.conv_dim, self.conv_kernel - 1), self.dtype),
+            StateComponent("recurrent", (self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32),
+        )
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> conv input [T, conv_dim], z [T, Hv, Dv], b and a [T, Hv]."""
+        tokens = x.shape[0]
+        rep = self.num_v_heads // self.num_k_heads
+        dk, dv = self.head_k_dim, self.head_v_dim
+        qkvz = self.in_proj_qkvz(x).view(tokens, self.num_k_heads, 2 * dk + 2 * rep * dv)
+        q, k, v, z = qkvz.split([dk, dk, rep * dv, rep * dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(tokens, self.num_k_heads, 2 * rep).split([rep, rep], dim=-1)
+        mixed = torch.cat((q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)), dim=-1)
+        return (
+            mixed,
+            z.reshape(tokens, self.num_v_heads, dv),
+            b.reshape(tokens, self.num_v_heads),
+            a.reshape(tokens, self.num_v_heads),
+        )
+
+    def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv output [..., conv_dim] -> q, k [..., Hk, Dk] and v [..., Hv, Dv]."""
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        lead = mixed.shape[:-1]
+        return (
+            q.reshape(*lead, self.num_k_heads, self.head_k_dim),
+            k.reshape(*lead, self.num_k_heads, self.head_k_dim),
+            v.reshape(*lead, self.num_v_heads, self.head_v_dim),
+        )
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; reads and writes this layer's `state` pool tensors."""
+        mixed, z, b, a = self._project(x)
+        beta = b.sigmoid()
+        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
+        weight = self.conv1d.weight.squeeze(1)
+        if batch.mode == "decode":
+            assert batch.state_slots is not None
+            slots = batch.state_slots
+            conv_state = state["conv"].index_select(0, slots)
+            conv_out = causal_conv1d_update(mixed, conv_state, weight, None, "silu")
+            state["conv"].index_copy_(0, slots, conv_state)
+            q, k, v = self._split_heads(conv_out)
+            recurrent = state["recurrent"].index_select(0, slots)
+            out = recurrent_gated_delta_rule_update(q, k, v, g, beta, recurrent, use_qk_l2norm=True)
+            state["recurrent"].index_copy_(0, slots, recurrent)
+        else:
+
+            def step(start: int, end: int, carried: State | None) -> tuple[torch.Tensor, State]:
+                conv = causal_conv1d(
+                    mixed[start:end].t().unsqueeze(0),
+                    weight,
+                    None,
+                    None if carried is None else carried["conv"],
+                    "silu",
+                )
+                q, k, v = self._split_heads(conv.out[0].t().unsqueeze(0))
+                delta = chunk_gated_delta_rule(
+                    q,
+                    k,
+                    v,
+                    g[start:end].unsqueeze(0),
+                    beta[start:end].unsqueeze(0),
+                    _CHUNK_SIZE,
+                    initial_state=None if carried is None else carried["recurrent"],
+                    use_qk_l2norm=True,
+                )
+                return delta.out[0], {"conv": conv.final_state, "recurrent": delta.final_state}
+
+            out = run_prefill(batch, state, step)
+        out = self.norm(out, z)
+        return self.out_proj(out.reshape(x.shape[0], self.value_dim))

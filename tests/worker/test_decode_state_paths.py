@@ -1,0 +1,64 @@
+"""Decode updates recurrent states in the pool itself when a batch's slots are consecutive, and
+through gathered copies otherwise: both paths must give the same tokens, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from himamba.services.worker.layers.pool_rows import consecutive_rows
+from himamba.services.worker.loader import load_model
+from tests.worker.harness import Harness, Sequence
+from tests.worker.hf_reference import save_nemotron_h
+
+
+def test_consecutive_rows_is_a_view_of_the_pool() -> None:
+    pool = torch.zeros(8, 3)
+    rows = consecutive_rows(pool, torch.tensor([2, 3, 4]))
+    assert rows is not None and rows.shape == (3, 3)
+    rows.add_(1.0)
+    assert pool[2:5].eq(1.0).all() and pool[:2].eq(0.0).all() and pool[5:].eq(0.0).all()
+    single = consecutive_rows(pool, torch.tensor([7]))
+    assert single is not None and single.data_ptr() == pool[7].data_ptr()
+
+
+@pytest.mark.parametrize("slots", [[3, 2], [1, 3], [4, 4]])
+def test_consecutive_rows_refuses_other_slot_orders(slots: list[int]) -> None:
+    assert consecutive_rows(torch.zeros(8, 3), torch.tensor(slots)) is None
+
+
+def test_consecutive_rows_refuses_an_empty_batch() -> None:
+    assert consecutive_rows(torch.zeros(8, 3), torch.tensor([], dtype=torch.int64)) is None
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory):
+    return load_model(save_nemotron_h(Path(tmp_path_factory.mktemp("nemotron_h")) / "hf"))
+
+
+def _generate(model, slots: list[int], prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """Prefill the prompts with sequences on the given state slots, then decode greedily; the
+    logits of every step."""
+    harness = Harness(model, num_state_slots=16)
+    seqs = [Sequence(state_slot=s) for s in slots]
+    logits = harness.prefill(seqs, prompts)
+    out = [logits]
+    for _ in range(steps):
+        logits = harness.decode(seqs, logits.argmax(-1).tolist())
+        out.append(logits)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("in_place", "gathered"),
+    [([5, 6, 7], [9, 2, 12]), ([0, 1], [1, 0])],
+    ids=["three-sequences", "swapped-pair"],
+)
+def test_in_place_and_gathered_state_updates_agree(model, in_place: list[int], gathered: list[int]) -> None:
+    prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(5 + 9 * i)] for i in range(len(in_place))]
+    a = _generate(model, in_place, prompts, steps=6)
+    b = _generate(model, gathered, prompts, steps=6)
+    for step, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert torch.equal(x, y), f"step {step}"
