@@ -79,7 +79,7 @@ class CacheConfig(_Section):
     hicache_storage_url: str = ""  # redis://host:port/db, or the Mooncake master's host:port; "": localhost default
     mooncake_metadata_server: str = ""  # "": the master's embedded one, http://<master host>:8080/metadata
     mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
-    hicache_storage_prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "best_effort"
+    hicache_storage_prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
     prefetch_threshold: NonNegInt = 256  # tokens: shorter storage hits are not worth a prefetch
     prefetch_timeout_base_s: NonNegFloat = 2.0  # timeout policy: base + per_ki_token * tokens / 1024, capped
     prefetch_timeout_per_ki_token_s: NonNegFloat = 0.1

@@ -84,6 +84,10 @@ def start_server(model_dir: Path | str, log_dir: Path, *flags: str, ready_timeou
         args += ["--torch-threads", "1"]
     if "--port" not in flags:
         args += ["--port", "0"]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if "--hicache-storage-dir" not in flags:
+        # A fresh storage tier per server: runs must not see each other's stored prefixes.
+        args += ["--hicache-storage-dir", str(log_dir / f"storage-{uuid.uuid4().hex[:6]}")]
     for name, ep in endpoints.items():
         args += ["--" + name.replace("_", "-"), ep]
     args += list(flags)

@@ -3,23 +3,33 @@
 No model and no processes: each request does what the scheduler and the cache controller do with
 the tree (match, lock, load back, allocate with eviction, insert, unlock), and every transfer is
 acknowledged at once. Prints throughput, per-operation latency, the cached-token ratio per tier
-against the ideal ratio, peak traced memory, and one JSON object as the last line.
+against the ideal ratio, peak traced memory, and one JSON object as the last line. With `storage`
+in `--tiers` it also measures the storage backend's read/write MB/s on a scratch store, beside
+this machine's sequential disk and memcpy bandwidth.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
+import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from himamba.services.cache.allocator import PageAllocator, SlotAllocator
 from himamba.services.cache.eviction import EVICTION_POLICIES
 from himamba.services.cache.radix_tree import WRITE_POLICIES, BackupOp, RadixTree
+from himamba.services.cache.storage.bandwidth import (
+    machine_bandwidth,
+    measure_storage_bandwidth,
+)
+from himamba.services.cache.storage.factory import open_backend
 
 VOCAB_SIZE = 32000
 
@@ -234,7 +244,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=3, help="timed passes over the trace; requests/s is their median")
     p.add_argument("--no-memory", action="store_true", help="skip the traced-memory pass")
+    p.add_argument(
+        "--tiers", default="", help="comma list of device,host,storage (default: device, plus host with --host-ratio)"
+    )
+    p.add_argument("--backend", choices=["file", "mooncake", "redis"], default="file", help="storage backend")
+    p.add_argument("--storage-dir", default="", help="file backend scratch dir (default: a temp dir)")
+    p.add_argument("--storage-url", default="", help="redis:// URL or the Mooncake master's host:port")
+    p.add_argument("--storage-pages", type=int, default=512, help="pages written then read by the probe")
+    p.add_argument("--storage-page-kib", type=int, default=64, help="bytes per stored page, KiB")
     args = p.parse_args(argv)
+    tiers = [t.strip() for t in args.tiers.split(",") if t.strip()] or ["device"] + (["host"] if args.host_ratio else [])
+    if not tiers or any(t not in ("device", "host", "storage") for t in tiers) or "device" not in tiers:
+        p.error("--tiers must list device and optionally host, storage")
+    args.tiers = tiers
+    if "host" in tiers and args.host_ratio == 0:
+        args.host_ratio = 2.0
+    if args.storage_pages < 1 or args.storage_page_kib < 1:
+        p.error("--storage-pages and --storage-page-kib must be >= 1")
     for name in ("clients", "turns", "first", "page_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -250,6 +276,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
     return args
+
+
+def storage_bandwidth(args: argparse.Namespace) -> dict[str, float | str]:
+    """The backend's write/read MB/s on a scratch store, and the machine's disk and memcpy."""
+    with tempfile.TemporaryDirectory(prefix="himamba-bench-storage-") as tmp:
+        directory = Path(args.storage_dir) if args.storage_dir else Path(tmp)
+        backend = open_backend(args.backend, os.urandom(32), directory=directory, url=args.storage_url)
+        assert backend is not None
+        try:
+            got: dict[str, float | str] = dict(
+                measure_storage_bandwidth(backend, args.storage_page_kib * 1024, args.storage_pages)
+            )
+        finally:
+            backend.close()
+        got.update(machine_bandwidth(directory))
+    got["backend"] = args.backend
+    return got
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,6 +353,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     if peak_mib is not None:
         print(f"peak traced memory: {peak_mib:.1f} MiB")
+    bw = storage_bandwidth(args) if "storage" in args.tiers else None
+    if bw is not None:
+        print(
+            f"storage ({bw['backend']}, {args.storage_pages} pages x {args.storage_page_kib} KiB): "
+            f"write {bw['write_mb_s']:,.0f} MB/s, read {bw['read_mb_s']:,.0f} MB/s; machine: disk write+fsync "
+            f"{bw['disk_write_fsync_mb_s']:,.0f} MB/s, disk read {bw['disk_read_mb_s']:,.0f} MB/s, "
+            f"memcpy {bw['memcpy_gb_s']:.1f} GB/s, {bw['file_creates_per_s']:,.0f} file creates/s"
+        )
     result = {
         "requests": n,
         "requests_per_s": round(rps, 1),
@@ -326,7 +377,11 @@ def main(argv: list[str] | None = None) -> int:
         "load_failures": stats.load_failures,
         "skipped_inserts": stats.skipped_inserts,
         "peak_traced_mib": None if peak_mib is None else round(peak_mib, 2),
+        "tiers": ",".join(args.tiers),
     }
+    if bw is not None:
+        for k, v in bw.items():
+            result[f"storage_{k}"] = round(v, 2) if isinstance(v, float) else v
     for name, ns in (
         ("match", stats.match_ns),
         ("insert", stats.insert_ns),

@@ -34,6 +34,7 @@ from himamba.common.messages import (
 from himamba.common.types import CachedTokens
 from himamba.services.cache.allocator import PageAllocator, SlotAllocator
 from himamba.services.cache.radix_tree import RadixTree
+from himamba.services.cache.storage_tier import StorageTier
 
 
 @dataclass
@@ -90,6 +91,15 @@ class CacheController:
         self.requests: dict[str, RequestAlloc] = {}
         self.pending: dict[int, Any] = {}  # op_id -> tree op (BackupOp | LoadOp) awaiting the worker's ack
         self._transfers: list[Transfer] = []  # produced since the last take_transfers()
+        self.storage: StorageTier | None = None  # set by attach_storage
+
+    def attach_storage(self, io: Any, fingerprint: bytes) -> StorageTier | None:
+        """Turn on the storage tier over `io` (a StorageIO on the shared host pools); needs the
+        radix cache and a host tier, else does nothing and returns None."""
+        if self.tree is None or self.host_kv is None:
+            return None
+        self.storage = StorageTier(self.cfg, self.tree, self.host_kv, self.host_state, io, fingerprint)
+        return self.storage
 
     # ------------------------------------------------------------ copy orders
 
@@ -123,6 +133,9 @@ class CacheController:
                 self.tree.load_back_done(op)  # type: ignore[union-attr]
             else:
                 self.tree.backup_done(op)  # type: ignore[union-attr]
+                if self.storage is not None:
+                    # The host copy is acknowledged: now storage may read it.
+                    self.storage.backup(op.node)
 
     # ------------------------------------------------------------ allocation with eviction
 
@@ -153,7 +166,14 @@ class CacheController:
 
     # ------------------------------------------------------------ ops
 
+    def poll_storage(self) -> None:
+        """Pick up finished storage lookups and jobs (the service calls this periodically)."""
+        if self.storage is not None:
+            self.storage.poll()
+
     def apply(self, op: Any) -> Any:
+        if self.storage is not None:
+            self.storage.poll()
         match op:
             case Admit():
                 return self.admit(op)
@@ -167,13 +187,26 @@ class CacheController:
                 return self.insert(op)
             case Release():
                 return self.release(op)
-            case Prefetch() | CancelPrefetch():
-                return None  # no storage tier yet: nothing to fetch
+            case Prefetch():
+                if self.storage is not None and op.tokens:
+                    p = self.tree.probe(op.tokens[: len(op.tokens) - 1])  # type: ignore[union-attr]
+                    self.storage.start(op.rid, list(op.tokens), p.cached_len, p.host_len)
+                return None
+            case CancelPrefetch():
+                if self.storage is not None:
+                    self.storage.cancel(op.rid)
+                return None
         raise ValueError(f"unknown cache op {type(op).__name__}")
 
     def admit(self, op: Admit) -> Admitted:
         if op.rid in self.requests:
             return Admitted(rid=op.rid, ok=False, reason="duplicate rid")
+        from_storage = (0, 0)
+        if self.storage is not None and op.use_cache:
+            gate = self.storage.admit_gate(op.rid)
+            if gate.wait:
+                return Admitted(rid=op.rid, ok=False, prefetching=True, reason="prefix arriving from storage")
+            from_storage = gate.storage_range
         tokens = op.tokens
         need_pages = self._pages_for(len(tokens))
         shared: list[int] = []
@@ -193,7 +226,10 @@ class CacheController:
                 if load is not None:
                     self._order_load(load)
                     node, cached_len = m.node, m.cached_len
-                    cached = CachedTokens(device=m.device_len, host=m.cached_len - m.device_len)
+                    # Of the tokens loaded from host, those this request's prefetch brought up.
+                    lo, hi = from_storage
+                    st = max(0, min(hi, m.cached_len) - max(lo, m.device_len))
+                    cached = CachedTokens(device=m.device_len, host=m.cached_len - m.device_len - st, storage=st)
             if cached_len > 0:
                 receipt = self.tree.lock(node)
                 shared = _path_pages(node)
@@ -213,6 +249,8 @@ class CacheController:
         captures = self._plan_captures(len(tokens), cached_len, branch_len) if use_tree else []
         slots = slots + [slot for _, slot in captures]
         self.requests[op.rid] = RequestAlloc(op.rid, shared + own, len(shared), slots, receipt)
+        if self.storage is not None:
+            self.storage.consume(op.rid)  # the request holds its prefix now: drop the prefetch's pin
         return Admitted(
             rid=op.rid,
             ok=True,
@@ -336,7 +374,13 @@ class CacheController:
         own_pages = [p for r in self.requests.values() for p in r.pages[r.num_shared :]]
         own_slots = [s for r in self.requests.values() for s in r.slots]
         if self.tree is not None:
-            self.tree.check_invariants(external_device_pages=own_pages, external_device_slots=own_slots)
+            host_pages, host_slots = self.storage.in_flight_host() if self.storage is not None else ([], [])
+            self.tree.check_invariants(
+                external_device_pages=own_pages,
+                external_device_slots=own_slots,
+                external_host_pages=host_pages,
+                external_host_slots=host_slots,
+            )
             return
         free_pages = self.device_kv.capacity - self.device_kv.num_free
         if sorted(own_pages) != sorted(set(own_pages)) or len(own_pages) != free_pages:

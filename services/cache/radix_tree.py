@@ -194,6 +194,22 @@ class InsertResult(NamedTuple):
     backups: list[BackupOp]
 
 
+class HostInsertResult(NamedTuple):
+    """Outcome of a prefetch-insert (`RadixTree.insert_host`)."""
+
+    node: TreeNode  # the deepest node reached (ends at len(tokens) when attached)
+    attached: bool  # False: the prefix before the fetched pages had left the host; the rest was freed
+    num_dup_freed: int  # fetched pages freed because the tree already held them on host
+    state_used: bool
+
+
+class ProbeResult(NamedTuple):
+    """What `RadixTree.probe` found for a prompt."""
+
+    cached_len: int  # deepest prefix ending at a state (device or host)
+    host_len: int  # deepest prefix wholly on host (the storage tier fetches from here)
+
+
 class EvictResult(NamedTuple):
     """How much an eviction freed in each pool, and the backup orders it issued (write_back)."""
 
@@ -489,6 +505,59 @@ class RadixTree:
             best, best_len, device_pages, device_len, best_len - device_len, tier, pos, dev_best, dev_best_len, backups
         )
 
+    def probe(self, tokens: Sequence[int]) -> ProbeResult:
+        """How much of `tokens` the tree can serve, without touching recency or counts: the deepest
+        prefix ending at a state (device or host) and the deepest prefix wholly on host."""
+        toks = tokens if type(tokens) is tuple else tuple(tokens)
+        ps = self.page_size
+        end = len(toks) - len(toks) % ps
+        node = self._root
+        pos = 0
+        cached = 0
+        host_len = 0
+        on_host = True
+        while pos < end:
+            child = node.children.get(toks[pos : pos + ps])
+            if child is None:
+                break
+            key = child.key
+            m = len(key) if pos + len(key) <= end and toks[pos : pos + len(key)] == key else self._common_len(toks, pos, end, key)
+            on_host = on_host and child.host_pages is not None
+            if on_host:
+                host_len = pos + m
+            if m == len(key) and (child.device_state is not None or child.host_state is not None):
+                cached = pos + m
+            if m < len(key):
+                break
+            pos += m
+            node = child
+        return ProbeResult(cached, host_len)
+
+    def match_prefix_host(self, tokens: Sequence[int]) -> TreeNode | None:
+        """The node ending exactly at len(tokens) (whole pages) with root..node on host, splitting
+        a node where the prefix ends inside it; None when the tree does not hold that on host."""
+        toks = tokens if type(tokens) is tuple else tuple(tokens)
+        ps = self.page_size
+        if len(toks) % ps or not toks:
+            return None
+        node = self._root
+        pos = 0
+        while pos < len(toks):
+            child = node.children.get(toks[pos : pos + ps])
+            if child is None or child.host_pages is None:
+                return None
+            key = child.key
+            if pos + len(key) <= len(toks) and toks[pos : pos + len(key)] == key:
+                m = len(key)
+            else:
+                m = self._common_len(toks, pos, len(toks), key)
+                if pos + m < len(toks):
+                    return None
+                child = self._split(child, m)
+            pos += m
+            node = child
+        return node
+
     def _common_len(self, toks: tuple[int, ...], pos: int, end: int, key: tuple[int, ...]) -> int:
         """Tokens (whole pages, >= 1 page) that toks[pos:end] shares with key; the first page is known equal."""
         ps = self.page_size
@@ -707,6 +776,102 @@ class RadixTree:
             if op is not None:
                 backups.append(op)
         return InsertResult(node, canonical, len(dups), state_used, backups)
+
+    def insert_host(
+        self,
+        tokens: Sequence[int],
+        first_page: int,
+        host_pages: Sequence[int],
+        host_state: int | None = None,
+        page_hashes: Sequence[bytes] | None = None,
+    ) -> HostInsertResult:
+        """Prefetch-insert: pages [first_page, n) of `tokens` arrived in host memory (`host_pages[i]`
+        holds page first_page + i), with optionally the host state at their end.
+
+        Ownership passes to the tree: a page whose node already has host KV is a duplicate and
+        is freed; a node without host KV (device-only) gets the page as its host copy; missing
+        nodes become host-only leaves. The state attaches to the node ending exactly at
+        len(tokens), even when that node existed without one. Pages before `first_page` must be
+        on host in the tree (the caller pinned them); if they are not, the rest is freed and
+        `attached` is False. `page_hashes` (one key per page of `tokens`) label new nodes.
+        """
+        toks = tokens if type(tokens) is tuple else tuple(tokens)
+        hp = list(host_pages)
+        ps = self.page_size
+        n_tok = len(toks)
+        if self._host_kv is None:
+            raise ValueError("host_pages: there is no host tier")
+        if n_tok % ps or first_page < 0 or (n_tok // ps - first_page) != len(hp):
+            raise ValueError(f"host_pages: {len(hp)} pages from page {first_page} for {n_tok} tokens")
+        if host_state is not None and self._host_state is None:
+            raise ValueError("host_state: there is no host state pool")
+        if page_hashes is not None and len(page_hashes) * ps != n_tok:
+            raise ValueError(f"page_hashes: {len(page_hashes)} keys for {n_tok} tokens")
+        fp_tok = first_page * ps
+        self._tick += 1
+        tick = self._tick
+        node = self._root
+        pos = 0
+        dups: list[int] = []
+        attached = True
+        while pos < n_tok:
+            child = node.children.get(toks[pos : pos + ps])
+            if child is None:
+                if pos < fp_tok:
+                    attached = False
+                    break
+                leaf = TreeNode(self._next_id, toks[pos:], node)
+                self._next_id += 1
+                self._num_nodes += 1
+                leaf.host_pages = hp[(pos - fp_tok) // ps :]
+                leaf.last_access = tick
+                leaf.state_access = tick
+                if page_hashes is not None:
+                    leaf.page_hashes = list(page_hashes[pos // ps :])
+                node.children[leaf.key[:ps]] = leaf
+                self._host_pages_used += len(leaf.host_pages)
+                self._sync_host_leaf(node)
+                self._sync_host_leaf(leaf)
+                node = leaf
+                pos = n_tok
+                break
+            key = child.key
+            limit = n_tok if pos >= fp_tok else fp_tok  # nodes lie wholly before or inside the fetched range
+            if pos + len(key) <= limit and toks[pos : pos + len(key)] == key:
+                m = len(key)
+            else:
+                m = self._common_len(toks, pos, limit, key)
+                child = self._split(child, m)
+            if pos >= fp_tok:
+                seg = hp[(pos - fp_tok) // ps : (pos + m - fp_tok) // ps]
+                if child.host_pages is None:
+                    child.host_pages = seg
+                    self._host_pages_used += len(seg)
+                    if page_hashes is not None and child.page_hashes is None:
+                        child.page_hashes = list(page_hashes[pos // ps : (pos + m) // ps])
+                    self._sync_host_leaf(child)
+                else:
+                    dups += seg
+            elif child.host_pages is None:
+                attached = False
+                break
+            pos += m
+            node = child
+        if not attached:
+            dups += hp[max(0, (pos - fp_tok) // ps) :]
+        if dups:
+            self._host_kv.free(dups)
+        state_used = False
+        if host_state is not None:
+            if attached and node is not self._root and node.host_state is None:
+                node.host_state = host_state
+                node.state_access = tick
+                self._host_states_used += 1
+                self._sync_host_state(node)
+                state_used = True
+            else:
+                self._host_state.free([host_state])  # type: ignore[union-attr]
+        return HostInsertResult(node, attached, len(dups), state_used)
 
     def _supersede_ancestor_state(self, node: TreeNode) -> None:
         """A conversation moved on: the nearest state above `node` expires if nothing else uses it.

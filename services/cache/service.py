@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+from pathlib import Path
 from typing import Any
 
 from himamba.common.config import Config
@@ -18,7 +20,15 @@ from himamba.common.messages import (
 )
 from himamba.common.transport import Outbox
 from himamba.common.messages import Admit, Admitted, Ready
+from himamba.common.host_pool import HostPools, open_host_pools
 from himamba.common.metrics import (
+    CACHE_BACKUP_BYTES,
+    CACHE_BACKUP_OPS,
+    CACHE_PREFETCH_BYTES,
+    CACHE_PREFETCH_OPS,
+    CACHE_PREFETCH_TRUNCATIONS,
+    CACHE_STORAGE_ERRORS,
+    CACHE_TRANSFERS_IN_FLIGHT,
     CACHE_EVICTED_BYTES,
     CACHE_HIT_TOKENS,
     CACHE_KV_HIT_TOKENS,
@@ -32,6 +42,10 @@ from himamba.common.metrics import (
 from himamba.common.metrics_report import MetricsReporter, ServiceMetrics
 from himamba.services.actor import Actor
 from himamba.services.cache.controller import CacheController
+from himamba.services.cache.keys import model_fingerprint
+from himamba.services.cache.storage.factory import open_configured_backend
+from himamba.services.cache.storage.flaky import FlakyBackend
+from himamba.services.cache.storage.io_workers import StorageIO
 
 
 class CacheService(Actor[ToCache]):
@@ -49,6 +63,9 @@ class CacheService(Actor[ToCache]):
         self._page_bytes = 0
         self._slot_bytes = 0
         self._evicted_seen = (0, 0)
+        self._host_pools: HostPools | None = None
+        self._io: StorageIO | None = None
+        self._storage_seen: dict[str, int] = {}
 
     async def start(self) -> str:
         # The pools' sizes come from the worker, which knows the model; wait for it.
@@ -88,6 +105,35 @@ class CacheService(Actor[ToCache]):
         m[CACHE_EVICTED_BYTES].labels(tier="device", kind="kv").inc((pages - self._evicted_seen[0]) * self._page_bytes)
         m[CACHE_EVICTED_BYTES].labels(tier="device", kind="mamba").inc((states - self._evicted_seen[1]) * self._slot_bytes)
         self._evicted_seen = (pages, states)
+        m[CACHE_TRANSFERS_IN_FLIGHT].labels(op="host").set(len(self.ctrl.pending))
+        tier = self.ctrl.storage
+        if tier is None:
+            return
+        c = tier.counters
+        now = {
+            "backup_bytes": c.backup_bytes,
+            "backup_ops": c.backup_ops,
+            "prefetch_bytes": c.prefetch_bytes,
+            "prefetch_ops": c.prefetch_ops,
+            "truncations": c.truncations,
+            **{f"err_{op}": n for op, n in c.errors.items()},
+        }
+
+        def delta(name: str) -> int:
+            d = now.get(name, 0) - self._storage_seen.get(name, 0)
+            return max(d, 0)
+
+        m[CACHE_BACKUP_BYTES].labels(tier="storage", kind="kv").inc(delta("backup_bytes"))
+        m[CACHE_BACKUP_OPS].labels(tier="storage").inc(delta("backup_ops"))
+        m[CACHE_PREFETCH_BYTES].labels(tier="storage", kind="kv").inc(delta("prefetch_bytes"))
+        m[CACHE_PREFETCH_OPS].labels(tier="storage").inc(delta("prefetch_ops"))
+        m[CACHE_PREFETCH_TRUNCATIONS].inc(delta("truncations"))
+        for op in c.errors:
+            m[CACHE_STORAGE_ERRORS].labels(op=op).inc(delta(f"err_{op}"))
+        assert self._io is not None
+        io = self._io.stats()
+        m[CACHE_TRANSFERS_IN_FLIGHT].labels(op="storage").set(io.num_queued + io.num_running)
+        self._storage_seen = now
 
     def _count_admission(self, op: Admit, res: Admitted) -> None:
         if not op.use_cache:
@@ -102,9 +148,57 @@ class CacheService(Actor[ToCache]):
     async def background(self) -> None:
         await self.tokenizer.send(Ready(service=self.name, pid=os.getpid()))
         self.spawn(self.reporter.run(), "metrics")
+        self.spawn(self._poll_storage(), "storage-poll")
         early, self._early = self._early, []
         for msg, frames in early:
             await self.handle(msg, frames)
+
+    async def stop(self) -> None:
+        self._close_storage(drain=True)
+
+    async def _poll_storage(self) -> None:
+        # Storage jobs complete on worker threads; finalise them here, whatever the scheduler does.
+        while True:
+            await asyncio.sleep(0.005)
+            if self.ctrl is not None and self.ctrl.storage is not None and self.ctrl.storage.busy:
+                self.ctrl.poll_storage()
+
+    def _close_storage(self, drain: bool = False) -> None:
+        if self.ctrl is not None and self.ctrl.storage is not None:
+            # At shutdown queued backups still run (bounded), so a restart finds them.
+            self.ctrl.storage.close(drain=drain)
+        if self._io is not None:
+            self._io.backend.close()
+            self._io = None
+        if self._host_pools is not None:
+            self._host_pools.close()
+            self._host_pools = None
+
+    def _open_storage(self, info: WorkerInfo) -> None:
+        """The storage tier over the worker's shared host pools; failures leave it off (logged)."""
+        cache = self.cfg.cache
+        layout = info.host_layout
+        if cache.hicache_storage_backend == "none" or self.ctrl is None or not layout.num_pages:
+            return
+        try:
+            fp = model_fingerprint(Path(self.cfg.model.model), self.cfg.model.dtype, cache.page_size)
+            backend = open_configured_backend(cache, fp)
+            assert backend is not None
+            if cache.debug_storage_fail_rate or cache.debug_storage_slow_s:
+                backend = FlakyBackend(backend, cache.debug_storage_fail_rate, seed=0, slow_s=cache.debug_storage_slow_s)
+            self._host_pools = open_host_pools(layout, create=False)
+            self._io = StorageIO(
+                backend,
+                self._host_pools.kv_bytes,
+                self._host_pools.state_bytes,
+                page_size=cache.page_size,
+                prefetch_budget_tokens=max(layout.num_pages * cache.page_size, cache.page_size),
+            )
+        except (ValueError, OSError, RuntimeError) as e:
+            self.log.warning("storage tier off: %s: %s", type(e).__name__, e)
+            return
+        self.ctrl.attach_storage(self._io, fp)
+        self.log.info("storage tier on: %s backend", cache.hicache_storage_backend)
 
     def on_worker_info(self, info: WorkerInfo) -> None:
         self._page_bytes = info.kv_bytes_per_token * self.cfg.cache.page_size
@@ -117,6 +211,7 @@ class CacheService(Actor[ToCache]):
             num_host_pages=info.num_host_pages,
             num_host_slots=info.num_host_state_slots,
         )
+        self._open_storage(info)
 
     async def handle(self, msg: ToCache, frames: list[Any]) -> None:
         assert self.ctrl is not None
@@ -144,6 +239,7 @@ class CacheService(Actor[ToCache]):
             case WorkerInfo():
                 # A restarted worker has empty pools: every page and state the tree knew is gone.
                 self.log.warning("worker restarted: forgetting the cache and every request's memory")
+                self._close_storage()
                 self.on_worker_info(msg)
                 await self.scheduler.send(CacheReset(num_pages=msg.num_pages, num_state_slots=msg.num_state_slots))
             case Shutdown():

@@ -43,3 +43,15 @@ def test_host_tier_serves_what_the_device_evicted(capsys):
 def test_bad_arguments_exit_with_usage_error():
     with pytest.raises(SystemExit):
         main(["--clients", "0"])
+
+
+def test_storage_tier_reports_backend_and_machine_bandwidth(capsys, tmp_path):
+    args = TINY + ["--tiers", "device,host,storage", "--storage-dir", str(tmp_path), "--storage-pages", "16", "--storage-page-kib", "4"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["tiers"] == "device,host,storage" and result["host_ratio_arg"] == 2.0
+    assert result["storage_pages_written"] == 16 and result["storage_pages_read"] == 16
+    for key in ("storage_write_mb_s", "storage_read_mb_s", "storage_disk_read_mb_s", "storage_memcpy_gb_s"):
+        assert result[key] > 0
+    assert "storage (file" in out

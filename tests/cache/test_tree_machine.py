@@ -2,7 +2,9 @@
 
 Random requests (match, lock, optional load-back, allocate with eviction, insert, unlock or abort)
 interleave with every eviction, backup / load-back start and acknowledgement, extra locks and host
-protections, on tiny pools with a 3-token alphabet so that prefixes collide and nodes split.
+protections, and the storage tier's steps against an in-memory store (backup host -> storage under
+a host pin, prefetch start with an anchor pin and host allocation, arrival through `insert_host`,
+failure), on tiny pools with a 3-token alphabet so that prefixes collide and nodes split.
 
 The machine keeps a content oracle: every device/host page and state slot holds the prefix it was
 computed for, copies happen when the order is issued (the worker executes orders in issue order),
@@ -65,6 +67,11 @@ class TreeMachine(RuleBasedStateMachine):
         self.host_mem: dict[int, Prefix] = {}
         self.dev_state_mem: dict[int, Prefix] = {}
         self.host_state_mem: dict[int, Prefix] = {}
+        # The fake store: page prefix -> content, state prefix -> content.
+        self.store_kv: dict[Prefix, Prefix] = {}
+        self.store_state: dict[Prefix, Prefix] = {}
+        self.store_backups: list[tuple[HostPin, list[tuple[int, Prefix]], tuple[int, Prefix] | None]] = []
+        self.prefetches: list[tuple[Prefix, int, HostPin | None, list[int], int | None]] = []
 
     @initialize(
         num_pages=st.integers(8, 24),
@@ -378,13 +385,142 @@ class TreeMachine(RuleBasedStateMachine):
             node = data.draw(st.sampled_from(candidates))
             self.host_protections.append(self.tree.protect_host(node, kv=kv, state=state))
 
+    # ------------------------------------------------------------------ storage tier
+
+    @precondition(lambda self: self.hkv is not None)
+    @rule(data=st.data(), with_state=st.booleans(), ack_now=st.booleans())
+    def storage_backup(self, data, with_state, ack_now):
+        """Start a host -> storage backup of root..node (its host copy is complete: copies happen at issue)."""
+        nodes = [n for n in self.all_nodes() if n is not self.tree.root and n.host_pages is not None]
+        if not nodes:
+            # Make a host copy first (the oracle copies at issue, as the worker executes in order).
+            dev = [n for n in self.all_nodes() if n is not self.tree.root and n.device_pages is not None]
+            op = self.tree.backup(data.draw(st.sampled_from(dev))) if dev else None
+            if op is None:
+                return
+            self.issue_backup(op)
+            nodes = [op.node]
+        node = data.draw(st.sampled_from(nodes))
+        carry = with_state and node.host_state is not None
+        pin = self.tree.protect_host(node, kv=True, state=carry)
+        full = path_tokens(node)
+        pages: list[tuple[int, Prefix]] = []
+        n, hp = node, []
+        while n is not self.tree.root:
+            hp = list(n.host_pages) + hp  # type: ignore[arg-type]
+            n = n.parent  # type: ignore[assignment]
+        ps = self.page_size
+        for i, h in enumerate(hp):
+            assert self.host_mem[h] == full[: (i + 1) * ps]
+            pages.append((h, self.host_mem[h]))
+        state = (node.host_state, self.host_state_mem[node.host_state]) if carry else None  # type: ignore[index]
+        self.store_backups.append((pin, pages, state))
+        if ack_now:
+            self._storage_ack(len(self.store_backups) - 1, fail=False)
+
+    @precondition(lambda self: self.store_backups)
+    @rule(data=st.data(), fail=st.booleans())
+    def storage_backup_done(self, data, fail):
+        """The store acknowledges (or refuses) a backup; the pin is released either way."""
+        self._storage_ack(data.draw(st.integers(0, len(self.store_backups) - 1)), fail)
+
+    def _storage_ack(self, i: int, fail: bool) -> None:
+        pin, pages, state = self.store_backups.pop(i)
+        for h, content in pages:
+            assert self.host_mem[h] == content, f"host page {h} changed while storage read it"
+            if not fail:
+                self.store_kv[content] = content
+        if state is not None:
+            assert self.host_state_mem[state[0]] == state[1], "host state changed while storage read it"
+            if not fail:
+                self.store_state[state[1]] = state[1]
+        self.tree.release_host(pin)
+
+    @precondition(lambda self: self.hkv is not None and self.store_kv)
+    @rule(data=st.data())
+    def prefetch_start(self, data):
+        """A prompt whose stored prefix is longer than the tree's host prefix: pin the anchor, allocate."""
+        ps = self.page_size
+        targets = [p for p in self.store_kv if all(p[: (i + 1) * ps] in self.store_kv for i in range(len(p) // ps))]
+        if not targets:
+            return
+        prefix = data.draw(st.sampled_from(sorted(targets)))
+        need_state = self.hst is not None and prefix in self.store_state
+        host_len = self.tree.probe(prefix).host_len
+        if host_len >= len(prefix):
+            # Host pressure pushed it out meanwhile (the case prefetch exists for).
+            k = data.draw(st.sampled_from([1, 4, 10**6]))
+            self.issue_backups(self.tree.evict(k).backups)
+            self.tree.evict_host(k)
+            host_len = self.tree.probe(prefix).host_len
+            if host_len >= len(prefix):
+                return
+        anchor = None
+        if host_len:
+            node = self.tree.match_prefix_host(prefix[:host_len])
+            assert node is not None
+            anchor = self.tree.protect_host(node, kv=True)
+        first = host_len // ps
+        need = len(prefix) // ps - first
+        pages = self.hkv.alloc(need)  # type: ignore[union-attr]
+        if pages is None:
+            self.tree.evict_host(need - self.hkv.num_free)  # type: ignore[union-attr]
+            pages = self.hkv.alloc(need)  # type: ignore[union-attr]
+        slot = None
+        if pages is not None and need_state:
+            got = self.hst.alloc(1)  # type: ignore[union-attr]
+            if got is None:
+                self.tree.evict_host_state(1)
+                got = self.hst.alloc(1)  # type: ignore[union-attr]
+            if got is None:
+                self.hkv.free(pages)  # type: ignore[union-attr]
+                pages = None
+            else:
+                slot = got[0]
+        if pages is None:
+            if anchor is not None:
+                self.tree.release_host(anchor)  # gave up cleanly
+            return
+        for h in pages:
+            self.host_mem[h] = ("garbage",)  # type: ignore[assignment]  # not arrived yet
+        self.prefetches.append((prefix, first, anchor, pages, slot))
+
+    @precondition(lambda self: self.prefetches)
+    @rule(data=st.data(), outcome=st.sampled_from(["arrive", "partial", "fail"]))
+    def prefetch_finish(self, data, outcome):
+        """A prefetch job completes: all pages (and the state), a leading part without the state, or nothing."""
+        prefix, first, anchor, pages, slot = self.prefetches.pop(data.draw(st.integers(0, len(self.prefetches) - 1)))
+        ps = self.page_size
+        got = len(pages) if outcome == "arrive" else 0
+        if outcome == "partial" and slot is None:
+            got = data.draw(st.integers(0, len(pages)))
+        for i in range(got):
+            self.host_mem[pages[i]] = self.store_kv[prefix[: (first + i + 1) * ps]]
+        use_slot = slot if got == len(pages) else None
+        if use_slot is not None:
+            self.host_state_mem[use_slot] = self.store_state[prefix]
+        elif slot is not None:
+            self.hst.free([slot])  # type: ignore[union-attr]
+        self.hkv.free(pages[got:])  # type: ignore[union-attr]
+        if got:
+            end = (first + got) * ps
+            res = self.tree.insert_host(prefix[:end], first, pages[:got], use_slot)
+            assert res.attached, "the anchor was pinned: the prefix before the fetched pages stays on host"
+            assert path_tokens(res.node) == prefix[:end]
+            if use_slot is not None:
+                assert res.node.host_state is not None
+        if anchor is not None:
+            self.tree.release_host(anchor)
+
     # ------------------------------------------------------------------ invariants
 
     @invariant()
     def tree_invariants(self):
         ext_pages = [p for r in self.requests.values() for p in r.own_pages]
         ext_slots = [r.slot for r in self.requests.values() if r.slot is not None]
-        self.tree.check_invariants(ext_pages, ext_slots)
+        ext_host = [h for pf in self.prefetches for h in pf[3]]
+        ext_host_slots = [pf[4] for pf in self.prefetches if pf[4] is not None]
+        self.tree.check_invariants(ext_pages, ext_slots, ext_host, ext_host_slots)
 
     @invariant()
     def contents_match_the_tree(self):
@@ -426,6 +562,14 @@ class TreeMachine(RuleBasedStateMachine):
             self.tree.unlock(r)
         for pin in self.host_protections:
             self.tree.release_host(pin)
+        for pin, _, _ in self.store_backups:
+            self.tree.release_host(pin)
+        for _, _, anchor, pages, slot in self.prefetches:
+            self.hkv.free(pages)  # type: ignore[union-attr]
+            if slot is not None:
+                self.hst.free([slot])  # type: ignore[union-attr]
+            if anchor is not None:
+                self.tree.release_host(anchor)
         for req in self.requests.values():
             if req.own_pages:
                 self.kv.free(req.own_pages)

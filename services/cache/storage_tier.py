@@ -1,0 +1,434 @@
+"""StorageTier: the cache controller's glue between the radix tree and the storage I/O workers.
+
+Backup: once a device -> host copy is acknowledged, the host pages of root..node that storage does
+not hold yet go to storage in the background (every write policy: under write_back host copies are
+made at device eviction, so that is when storage writes start; host eviction never waits on
+storage: a node being written is pinned and skipped, one whose write failed is simply not stored).
+A page counts as stored only once the backend acknowledged it.
+
+Prefetch: `start(rid, tokens)` asks storage (off-thread lookup) how far it holds the prompt; when
+that is >= `prefetch_threshold` tokens beyond what the tree can serve, host memory is allocated for
+the hit pages only (evicting host, then taking the page-aligned free size) and a job fetches them.
+While it runs the last host node before the fetched range is pinned for KV. When the job completes
+(done, partial, revoked, failed, refused) it is FINALISED at once, whatever its request does: the
+fetched pages and state join the tree as host nodes (`RadixTree.insert_host`), and, while the
+request still waits, the new end node is pinned for KV and state instead of the anchor.
+Admission asks `admit_gate(rid)` whether to wait (policy), and `consume(rid)` takes the pin.
+
+Single-threaded like the tree: every method runs on the controller's thread; worker results are
+picked up by `poll()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+from himamba.common.config import CacheConfig
+from himamba.services.cache.allocator import PageAllocator, SlotAllocator
+from himamba.services.cache.keys import page_keys
+from himamba.services.cache.radix_tree import HostPin, RadixTree, TreeNode
+from himamba.services.cache.storage.base import StorageHit
+from himamba.services.cache.storage.io_workers import (
+    JobHandle,
+    JobOutcome,
+    JobResult,
+    StateCopy,
+    StorageIO,
+)
+
+_log = logging.getLogger("himamba.cache.storage")
+
+Phase = Literal["lookup", "fetch", "ready"]
+
+
+class PrefetchPlan(NamedTuple):
+    """What one prefetch fetches: page keys, tokens and host pages are cut together (`truncate`)."""
+
+    tokens: tuple[int, ...]  # whole pages, root..end of the hit
+    keys: list[bytes]  # one per page of `tokens`
+    first_page: int  # pages before it are already on host in the tree
+    host_pages: list[int]  # one per page in [first_page, len(keys))
+
+    def truncate(self, num_pages: int, page_size: int) -> PrefetchPlan:
+        """The plan cut to its first `num_pages` pages (>= first_page)."""
+        assert self.first_page <= num_pages <= len(self.keys)
+        return PrefetchPlan(
+            self.tokens[: num_pages * page_size],
+            self.keys[:num_pages],
+            self.first_page,
+            self.host_pages[: num_pages - self.first_page],
+        )
+
+
+@dataclass(eq=False)
+class _Prefetch:
+    rid: str
+    keys: list[bytes]  # every whole page of the prompt (but the last token)
+    tokens: tuple[int, ...]
+    first_page: int
+    base_len: int  # tokens the tree could already serve when it started
+    started: float
+    deadline: float  # policy deadline (timeout) or the liveness cap (every policy)
+    phase: Phase = "lookup"
+    lookup: Future[StorageHit] | None = None
+    anchor_pin: HostPin | None = None
+    plan: PrefetchPlan | None = None
+    host_slot: int | None = None
+    handle: JobHandle | None = None
+    ready_pin: HostPin | None = None
+    fetched: tuple[int, int] = (0, 0)  # token range that came from storage
+    detached: bool = False  # its request no longer waits: finalise only
+    revoked: bool = False
+
+
+class AdmitGate(NamedTuple):
+    """Whether a request may be admitted now, and which of its tokens came from storage."""
+
+    wait: bool
+    storage_range: tuple[int, int]
+
+
+@dataclass
+class StorageCounters:
+    """Monotonic counters the cache service turns into metrics."""
+
+    backup_bytes: int = 0
+    backup_ops: int = 0
+    prefetch_bytes: int = 0
+    prefetch_ops: int = 0
+    truncations: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    outcomes: Counter[str] = field(default_factory=Counter)
+
+
+class StorageTier:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        cfg: CacheConfig,
+        tree: RadixTree,
+        host_kv: PageAllocator,
+        host_state: SlotAllocator | None,
+        io: StorageIO,
+        fingerprint: bytes,
+    ) -> None:
+        self.cfg = cfg
+        self.tree = tree
+        self.host_kv = host_kv
+        self.host_state = host_state
+        self.io = io
+        self.fingerprint = fingerprint
+        self.page_size = cfg.page_size
+        self.needs_state = host_state is not None
+        self.stored: set[bytes] = set()
+        self.stored_states: set[bytes] = set()
+        self._writing: set[bytes] = set()
+        self._backups: list[tuple[JobHandle, HostPin, list[bytes], bytes | None]] = []
+        self.prefetches: dict[str, _Prefetch] = {}
+        self._detached: list[_Prefetch] = []
+        self.counters = StorageCounters()
+
+    # ------------------------------------------------------------ keys
+
+    def keys_of(self, node: TreeNode) -> list[bytes]:
+        """Page keys of root..node, computed once per node (kept across splits by the tree)."""
+        chain: list[TreeNode] = []
+        n = node
+        while n.parent is not None and n.page_hashes is None:
+            chain.append(n)
+            n = n.parent
+        for x in reversed(chain):
+            parent_key = _last_key(x.parent)
+            x.page_hashes = page_keys(parent_key, x.key, self.page_size, self.fingerprint)
+        out: list[bytes] = []
+        n = node
+        parts = []
+        while n.parent is not None:
+            parts.append(n.page_hashes)
+            n = n.parent
+        for p in reversed(parts):
+            out += p  # type: ignore[arg-type]
+        return out
+
+    # ------------------------------------------------------------ backup
+
+    def backup(self, node: TreeNode) -> bool:
+        """Write the host pages of root..node (and node's host state) that storage lacks."""
+        if not node.is_attached or node.host_pages is None or node.parent is None:
+            return False
+        keys = self.keys_of(node)
+        pages: list[int] = []
+        n = node
+        parts = []
+        while n.parent is not None:
+            if n.host_pages is None:
+                return False  # host KV is top-closed; a device-only ancestor means nothing to read
+            parts.append(n.host_pages)
+            n = n.parent
+        for p in reversed(parts):
+            pages += p
+        todo = [i for i, k in enumerate(keys) if k not in self.stored and k not in self._writing]
+        state = None
+        if node.host_state is not None and keys[-1] not in self.stored_states:
+            state = StateCopy(keys[-1], node.host_state)
+        if not todo and state is None:
+            return False
+        pin = self.tree.protect_host(node, kv=True, state=state is not None)
+        sel = [keys[i] for i in todo]
+        handle = self.io.submit_backup(sel, [pages[i] for i in todo], state, tag=("backup", node.id))
+        self._writing.update(sel)
+        self._backups.append((handle, pin, sel, state.page_key if state is not None else None))
+        return True
+
+    def _finish_backup(self, handle: JobHandle, pin: HostPin, keys: list[bytes], state_key: bytes | None) -> None:
+        res: JobResult = handle.future.result()
+        self._writing.difference_update(keys)
+        self.stored.update(keys[: res.num_pages])  # stored only once the backend acknowledged it
+        if res.state_ok and state_key is not None:
+            self.stored_states.add(state_key)
+        self.tree.release_host(pin)  # exactly what the pin took (KV, and the state iff carried)
+        self.counters.backup_bytes += res.num_bytes
+        self.counters.backup_ops += 1
+        self.counters.outcomes[f"backup_{res.outcome}"] += 1
+        if res.outcome is JobOutcome.FAILED:
+            self.counters.errors["backup"] += 1
+            _log.warning("storage backup failed after %d pages: %s", res.num_pages, res.error)
+
+    # ------------------------------------------------------------ prefetch
+
+    def start(self, rid: str, tokens: list[int], base_len: int, host_len: int) -> None:
+        """Begin a prefetch for `rid`: `base_len` tokens the tree can serve now, `host_len` the
+        deepest prefix on host (the fetch starts there)."""
+        if rid in self.prefetches:
+            return
+        ps = self.page_size
+        usable = (len(tokens) - 1) // ps * ps  # one token must be computed
+        if usable - base_len < max(self.cfg.prefetch_threshold, ps):
+            return
+        toks = tuple(tokens[:usable])
+        keys = page_keys(None, toks, ps, self.fingerprint)
+        now = time.monotonic()
+        pf = _Prefetch(rid, keys, toks, host_len // ps, base_len, now, now + self.cfg.prefetch_timeout_max_s)
+        if self.cfg.hicache_storage_prefetch_policy == "timeout":
+            budget = self.cfg.prefetch_timeout_base_s + self.cfg.prefetch_timeout_per_ki_token_s * usable / 1024
+            pf.deadline = now + min(budget, self.cfg.prefetch_timeout_max_s)
+        pf.lookup = self.io.lookup(keys, needs_state=self.needs_state)
+        self.prefetches[rid] = pf
+
+    def _after_lookup(self, pf: _Prefetch, hit: StorageHit) -> None:
+        ps = self.page_size
+        thr = max(self.cfg.prefetch_threshold, ps)
+        n = hit.num_pages
+        if n * ps - pf.base_len < thr or n <= pf.first_page:
+            self._end(pf, "miss")
+            return
+        # The anchor (deepest host node before the fetched range) must stay on host meanwhile.
+        anchor_len = pf.first_page * ps
+        if anchor_len:
+            m = self.tree.match_prefix_host(pf.tokens[:anchor_len])
+            if m is None:
+                self._end(pf, "anchor_gone")
+                return
+            pf.anchor_pin = self.tree.protect_host(m, kv=True)
+        need = n - pf.first_page
+        pages = self.host_kv.alloc(need)
+        if pages is None:
+            self.tree.evict_host(need - self.host_kv.num_free)
+            pages = self.host_kv.alloc(need)
+        if pages is None:
+            # Adaptive: take the aligned free size, cut back to a page with a stored state.
+            avail = self.host_kv.num_free
+            n = pf.first_page + avail
+            if self.needs_state:
+                n = self._deepest_state_page(pf, n)
+            if n * ps - pf.base_len < thr or n <= pf.first_page:
+                self._end(pf, "no_host_memory")
+                return
+            pages = self.host_kv.alloc(n - pf.first_page)
+            assert pages is not None
+            self.counters.truncations += 1
+        slot = None
+        if self.needs_state:
+            assert self.host_state is not None
+            got = self.host_state.alloc(1)
+            if got is None:
+                self.tree.evict_host_state(1)
+                got = self.host_state.alloc(1)
+            if got is None:
+                self.host_kv.free(pages)
+                self._end(pf, "no_host_slot")
+                return
+            slot = got[0]
+        plan = PrefetchPlan(pf.tokens, pf.keys, pf.first_page, pages).truncate(n, ps)
+        pf.plan, pf.host_slot, pf.phase = plan, slot, "fetch"
+        state = StateCopy(plan.keys[-1], slot) if slot is not None else None
+        pf.handle = self.io.submit_prefetch(plan.keys[plan.first_page :], plan.host_pages, state, tag=("prefetch", pf.rid))
+
+    def _deepest_state_page(self, pf: _Prefetch, limit: int) -> int:
+        """Deepest page count <= limit ending at a stored state (asks the backend directly: this
+        runs only on the rare truncation path)."""
+        if limit <= pf.first_page:
+            return 0
+        try:
+            flags = self.io.backend.exists_states(pf.keys[:limit])
+        except Exception as e:  # noqa: BLE001 - a failing store is a miss
+            self.counters.errors["lookup"] += 1
+            _log.warning("storage state lookup failed: %s", e)
+            return 0
+        for i in range(limit - 1, pf.first_page - 1, -1):
+            if flags[i]:
+                return i + 1
+        return 0
+
+    def _finalise(self, pf: _Prefetch) -> None:
+        assert pf.handle is not None and pf.plan is not None
+        res = pf.handle.future.result()
+        plan = pf.plan
+        self.counters.prefetch_ops += 1
+        self.counters.prefetch_bytes += res.num_bytes
+        self.counters.outcomes[f"prefetch_{res.outcome}"] += 1
+        if res.outcome is JobOutcome.FAILED:
+            self.counters.errors["prefetch"] += 1
+            _log.warning("storage prefetch of %s failed after %d pages: %s", pf.rid, res.num_pages, res.error)
+        got = res.num_pages
+        state_ok = res.state_ok and got == len(plan.host_pages)
+        if self.needs_state and not state_ok:
+            # A hit is atomic: KV without its state at the same position is useless here.
+            got = 0
+        ps = self.page_size
+        end = plan.first_page + got
+        self.host_kv.free(plan.host_pages[got:])
+        slot = pf.host_slot if state_ok else None
+        if pf.host_slot is not None and slot is None:
+            self.host_state.free([pf.host_slot])  # type: ignore[union-attr]
+        node = None
+        if got:
+            r = self.tree.insert_host(plan.tokens[: end * ps], plan.first_page, plan.host_pages[:got], slot, plan.keys[:end])
+            if r.attached:
+                node = r.node
+                self.stored.update(plan.keys[:end])
+                if slot is not None:
+                    self.stored_states.add(plan.keys[end - 1])
+        elif slot is not None:
+            self.host_state.free([slot])  # type: ignore[union-attr]
+        if node is not None and not pf.detached:
+            pf.ready_pin = self.tree.protect_host(node, kv=True, state=node.host_state is not None)
+            pf.fetched = (plan.first_page * ps, end * ps)
+        self._release_anchor(pf)
+        pf.phase = "ready"
+
+    def _release_anchor(self, pf: _Prefetch) -> None:
+        if pf.anchor_pin is not None:
+            self.tree.release_host(pf.anchor_pin)
+            pf.anchor_pin = None
+
+    def _end(self, pf: _Prefetch, why: str) -> None:
+        self._release_anchor(pf)
+        self.counters.outcomes[f"prefetch_{why}"] += 1
+        pf.phase = "ready"
+
+    # ------------------------------------------------------------ admission
+
+    def admit_gate(self, rid: str) -> AdmitGate:
+        """Apply the prefetch policy for a request about to be admitted."""
+        self.poll()
+        pf = self.prefetches.get(rid)
+        if pf is None or pf.phase == "ready":
+            return AdmitGate(False, pf.fetched if pf else (0, 0))
+        policy = self.cfg.hicache_storage_prefetch_policy
+        if time.monotonic() >= pf.deadline or (policy == "best_effort" and pf.phase == "lookup"):
+            self._give_up(pf)  # no prefetch stalls a request past its deadline
+            return AdmitGate(False, (0, 0))
+        if policy == "best_effort" and not pf.revoked and pf.handle is not None:
+            # Take what has arrived: the job stops at its next batch boundary and is finalised.
+            pf.revoked = True
+            pf.handle.revoke()
+        return AdmitGate(True, (0, 0))
+
+    def _give_up(self, pf: _Prefetch) -> None:
+        """The request goes on without the rest of its prefetch; the job is finalised later."""
+        if pf.handle is not None:
+            pf.handle.revoke()
+        pf.detached = True
+        self.prefetches.pop(pf.rid, None)
+        if pf.phase != "ready":
+            self._detached.append(pf)
+
+    def consume(self, rid: str) -> None:
+        """The request was admitted (or cancelled): drop what its prefetch still pinned."""
+        pf = self.prefetches.pop(rid, None)
+        if pf is None:
+            return
+        if pf.phase != "ready":
+            self._give_up(pf)
+            return
+        if pf.ready_pin is not None:
+            self.tree.release_host(pf.ready_pin)
+            pf.ready_pin = None
+
+    def cancel(self, rid: str) -> None:
+        """CancelPrefetch: revoke; finalisation still inserts what arrived."""
+        self.consume(rid)
+
+    def in_flight_host(self) -> tuple[list[int], list[int]]:
+        """Host pages and slots owned by running prefetch jobs (not the tree's yet)."""
+        pages: list[int] = []
+        slots: list[int] = []
+        for pf in [*self.prefetches.values(), *self._detached]:
+            if pf.phase == "fetch" and pf.plan is not None:
+                pages += pf.plan.host_pages
+                if pf.host_slot is not None:
+                    slots.append(pf.host_slot)
+        return pages, slots
+
+    # ------------------------------------------------------------ progress
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._backups or self._detached or any(p.phase != "ready" for p in self.prefetches.values()))
+
+    def poll(self) -> None:
+        """Pick up completed lookups and jobs; enforce the liveness cap."""
+        if self._backups:
+            left = []
+            for item in self._backups:
+                if item[0].future.done():
+                    self._finish_backup(*item)
+                else:
+                    left.append(item)
+            self._backups = left
+        now = time.monotonic()
+        for pf in [*self.prefetches.values(), *self._detached]:
+            if pf.phase == "lookup" and pf.lookup is not None and pf.lookup.done():
+                if pf.detached:
+                    pf.phase = "ready"
+                else:
+                    self._after_lookup(pf, pf.lookup.result())
+            if pf.phase == "fetch" and pf.handle is not None:
+                if pf.handle.future.done():
+                    self._finalise(pf)
+                elif now >= pf.deadline and not pf.revoked:
+                    pf.revoked = True
+                    pf.handle.revoke()
+        self._detached = [p for p in self._detached if p.phase != "ready"]
+
+    def close(self, *, drain: bool = False, timeout_s: float = 1.5) -> None:
+        """Stop the I/O workers (queued jobs run to the end with `drain`, else are cancelled) and
+        finalise everything."""
+        self.io.close(drain=drain, timeout_s=timeout_s)
+        for pf in list(self.prefetches.values()):
+            self._give_up(pf)
+        self.poll()
+
+
+def _last_key(node: TreeNode | None) -> bytes | None:
+    if node is None or node.parent is None:
+        return None  # the root: a sequence starts here
+    assert node.page_hashes, f"node {node.id} has no page keys"
+    return node.page_hashes[-1]

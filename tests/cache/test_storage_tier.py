@@ -1,0 +1,227 @@
+"""The storage tier wired into the cache controller: page keys on nodes, backup after the host
+copy is acknowledged, prefetch with finalisation under the three policies, adaptive truncation,
+failures, and restart (a new controller on the same store). A fake worker moves real bytes
+between byte pools, so what comes back from storage is checked byte for byte."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import pytest
+import torch
+from himamba.common.config import CacheConfig
+from himamba.common.messages import Admit, CancelPrefetch, Insert, Prefetch, Release
+from himamba.services.cache.allocator import PageAllocator, SlotAllocator
+from himamba.services.cache.controller import CacheController
+from himamba.services.cache.keys import page_keys
+from himamba.services.cache.radix_tree import RadixTree
+from himamba.services.cache.storage.file import FileBackend
+from himamba.services.cache.storage.flaky import FlakyBackend
+from himamba.services.cache.storage.io_workers import StorageIO
+from himamba.services.cache.storage_tier import PrefetchPlan
+
+PS = 4
+PAGE_BYTES = 64
+SLOT_BYTES = 32
+FP = hashlib.sha256(b"test model").digest()
+
+
+def _content(tokens: list[int], nbytes: int) -> torch.Tensor:
+    """What a page (or a state) computed over exactly `tokens` holds."""
+    d = hashlib.sha256(repr(tuple(tokens)).encode()).digest()
+    return torch.tensor(list((d * (nbytes // len(d) + 1))[:nbytes]), dtype=torch.uint8)
+
+
+class Rig:
+    """A controller, its storage tier on a FileBackend, and a fake worker with byte pools."""
+
+    def __init__(self, store, *, host_pages=64, host_slots=16, backend=None, **cfg):
+        cfg.setdefault("prefetch_threshold", 2 * PS)
+        self.ctrl = CacheController(CacheConfig(page_size=PS, **cfg), 64, 16, host_pages, host_slots)
+        self.dev_kv = torch.zeros(64, PAGE_BYTES, dtype=torch.uint8)
+        self.dev_state = torch.zeros(16, SLOT_BYTES, dtype=torch.uint8)
+        self.host_kv = torch.zeros(host_pages, PAGE_BYTES, dtype=torch.uint8)
+        self.host_state = torch.zeros(host_slots, SLOT_BYTES, dtype=torch.uint8)
+        self.backend = backend or FileBackend(FP, store)
+        self.io = StorageIO(self.backend, self.host_kv, self.host_state, page_size=PS, prefetch_budget_tokens=1024, batch_pages=2)
+        self.tier = self.ctrl.attach_storage(self.io, FP)
+        assert self.tier is not None
+
+    def run_transfers(self) -> None:
+        ts = self.ctrl.take_transfers()
+        for t in ts:
+            src_kv, dst_kv = (self.dev_kv, self.host_kv) if t.direction == "d2h" else (self.host_kv, self.dev_kv)
+            src_st, dst_st = (self.dev_state, self.host_state) if t.direction == "d2h" else (self.host_state, self.dev_state)
+            for s, d in zip(t.kv_src, t.kv_dst):
+                dst_kv[d] = src_kv[s]
+            for s, d in zip(t.state_src, t.state_dst):
+                dst_st[d] = src_st[s]
+        self.ctrl.transfers_done([t.op_id for t in ts])
+
+    def serve(self, rid: str, tokens: list[int], prefetch: bool = True, max_wait_s: float = 10.0):
+        """Prefetch + admit (retrying while prefetching), 'prefill', release; returns Admitted."""
+        if prefetch:
+            self.ctrl.apply(Prefetch(rid=rid, tokens=tokens))
+        deadline = time.monotonic() + max_wait_s
+        while True:
+            res = self.ctrl.admit(Admit(rid=rid, tokens=tokens, num_slots=1))
+            if not res.prefetching:
+                break
+            assert time.monotonic() < deadline, "a prefetch stalled its request"
+            time.sleep(0.005)
+        assert res.ok, res.reason
+        self.run_transfers()
+        # The cached prefix must hold exactly what computing it would have produced.
+        for i in range(res.cached_len // PS):
+            assert torch.equal(self.dev_kv[res.pages[i]], _content(tokens[: (i + 1) * PS], PAGE_BYTES)), f"page {i}"
+        if res.cached_len:
+            assert torch.equal(self.dev_state[res.state_src], _content(tokens[: res.cached_len], SLOT_BYTES))
+        for i in range(res.cached_len // PS, len(tokens) // PS):
+            self.dev_kv[res.pages[i]] = _content(tokens[: (i + 1) * PS], PAGE_BYTES)
+        for pos, slot in res.captures:
+            self.dev_state[slot] = _content(tokens[:pos], SLOT_BYTES)
+            self.ctrl.insert(Insert(rid=rid, tokens=tokens[:pos], slot=slot))
+            self.run_transfers()
+        self.ctrl.release(Release(rid=rid, tokens=tokens[: len(tokens) // PS * PS]))
+        self.run_transfers()
+        self.ctrl.check_invariants()
+        return res
+
+    def drain(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.tier.busy:
+            assert time.monotonic() < deadline, "storage jobs never finished"
+            time.sleep(0.005)
+            self.ctrl.poll_storage()
+        self.ctrl.check_invariants()
+        t = self.ctrl.tree
+        assert t.host_pages_protected == 0 and t.host_states_protected == 0
+
+    def close(self) -> None:
+        self.tier.close()
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(1, 500) for _ in range(n)]
+
+
+def test_backup_after_host_ack_stores_keys_and_releases_pins(tmp_path):
+    rig = Rig(tmp_path)
+    toks = _prompt(26, 1)  # 6 whole pages, state captured at 24
+    rig.serve("a", toks)
+    rig.drain()
+    keys = page_keys(None, toks[:24], PS, FP)
+    assert rig.backend.exists(keys) == 6
+    assert rig.backend.exists_states(keys)[-1]
+    # Node keys are the chained page keys, also after a split at a page boundary.
+    rig.serve("b", toks[:8] + [7, 7, 7, 7, 7, 7, 7, 7, 7])
+    node = rig.ctrl.tree.match_prefix_host(toks[:8])
+    assert node is not None and rig.tier.keys_of(node) == keys[:2]
+    rig.close()
+
+
+@pytest.mark.parametrize("extra", [-1, 0, 1])
+def test_restart_serves_the_prefix_from_storage_byte_for_byte(tmp_path, extra):
+    first = Rig(tmp_path, hicache_storage_prefetch_policy="wait_complete")
+    toks = _prompt(25 + extra, 2)  # the prompt ends on a page boundary, or one token either side
+    first.serve("a", toks)
+    first.drain()
+    first.close()
+    second = Rig(tmp_path, hicache_storage_prefetch_policy="wait_complete")
+    nxt = toks + _prompt(9, 3)
+    res = second.serve("b", nxt)
+    assert res.cached.storage > 0 and res.cached.storage == res.cached_len
+    assert res.cached.device == 0 and res.cached.host == 0
+    second.drain()
+    second.close()
+
+
+def test_prefetched_state_attaches_to_an_existing_node_without_state():
+    tree = RadixTree(PS, PageAllocator(16), SlotAllocator(4), PageAllocator(16), SlotAllocator(4), write_policy="write_back")
+    toks = tuple(range(1, 17))
+    ins = tree.insert(toks[:8], [0, 1])  # device-only, no state
+    assert ins.node.device_state is None
+    tree._device_kv.alloc(2)  # the pages handed over above
+    hp = tree._host_kv.alloc(4)
+    slot = tree._host_state.alloc(1)[0]
+    r = tree.insert_host(toks, 0, hp, slot)
+    assert r.attached and r.state_used and r.node.host_state == slot
+    # The device-only node got the fetched page as its host copy.
+    assert ins.node.host_pages == hp[:2]
+    tree.check_invariants()
+    hp2 = tree._host_kv.alloc(2)
+    slot2 = tree._host_state.alloc(1)[0]
+    r2 = tree.insert_host(toks[:8], 0, hp2, slot2)  # now duplicates: freed, state attaches to node 8
+    assert r2.num_dup_freed == 2 and r2.state_used and ins.node.host_state == slot2
+    tree.check_invariants()
+
+
+def test_truncating_a_plan_cuts_tokens_keys_and_host_pages_together():
+    toks = tuple(range(1, 25))
+    keys = page_keys(None, toks, PS, FP)
+    plan = PrefetchPlan(toks, keys, 2, [10, 11, 12, 13]).truncate(4, PS)
+    assert plan.tokens == toks[:16] and plan.keys == keys[:4] and plan.host_pages == [10, 11]
+
+
+def test_adaptive_prefetch_takes_the_aligned_free_host_size(tmp_path):
+    first = Rig(tmp_path)
+    toks = _prompt(41, 4)  # 10 pages; captures at 40
+    # States at every other page boundary so a truncated hit still ends at a state.
+    first.serve("a", toks[:17])
+    first.serve("b", toks[:25])
+    first.serve("c", toks)
+    first.drain()
+    first.close()
+    small = Rig(tmp_path, host_pages=7, host_slots=4, hicache_storage_prefetch_policy="wait_complete")
+    res = small.serve("d", toks + [3, 3, 3])
+    assert small.tier.counters.truncations == 1
+    assert 2 * PS <= res.cached.storage <= 7 * PS and res.cached.storage == res.cached_len
+    small.drain()
+    # A threshold above what fits gives up cleanly.
+    tiny = Rig(tmp_path / "x", host_pages=3, host_slots=2, prefetch_threshold=20 * PS)
+    res = tiny.serve("e", toks + [3])
+    assert res.cached.storage == 0
+    tiny.drain()
+    small.close()
+    tiny.close()
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "timeout", "wait_complete"])
+def test_slow_storage_never_stalls_a_request(tmp_path, policy):
+    first = Rig(tmp_path)
+    toks = _prompt(33, 5)
+    first.serve("a", toks)
+    first.drain()
+    first.close()
+    slow = FlakyBackend(FileBackend(FP, tmp_path), 0.0, seed=1, slow_s=0.05)
+    rig = Rig(
+        tmp_path, backend=slow, hicache_storage_prefetch_policy=policy,
+        prefetch_timeout_base_s=0.1, prefetch_timeout_per_ki_token_s=0.0, prefetch_timeout_max_s=1.0,
+    )
+    t0 = time.monotonic()
+    rig.serve("b", toks + [1, 2], max_wait_s=5.0)
+    assert time.monotonic() - t0 < 5.0
+    rig.drain()
+    rig.close()
+
+
+def test_cancel_and_failing_storage_leak_nothing(tmp_path):
+    first = Rig(tmp_path)
+    toks = _prompt(33, 6)
+    first.serve("a", toks)
+    first.drain()
+    first.close()
+    flaky = FlakyBackend(FileBackend(FP, tmp_path), 0.5, seed=3)
+    rig = Rig(tmp_path, backend=flaky, hicache_storage_prefetch_policy="wait_complete")
+    rig.ctrl.apply(Prefetch(rid="x", tokens=toks + [9]))
+    rig.ctrl.apply(CancelPrefetch(rid="x"))
+    for i in range(6):
+        rig.serve(f"r{i}", toks + [i, i])
+    rig.drain()
+    host = rig.ctrl.tree
+    assert rig.ctrl.host_kv.num_free + host.host_pages_used == rig.ctrl.host_kv.capacity
+    rig.close()

@@ -1,0 +1,139 @@
+"""The storage tier on real servers: a conversation survives a restart (storage hits, exactly the
+greedy tokens of transformers), a host pool smaller than the stored prefix gets a truncated
+prefetch, and flaky / slow / corrupted / read-only storage leaves outputs correct, the server up
+and the cache invariants clean."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import stat
+import time
+from pathlib import Path
+
+import pytest
+from himamba.common.client import Client
+from himamba.services.modelgen.checkpoint import make_checkpoint
+
+from tests.worker.hf_reference import greedy, load_reference
+
+VOCAB = 2048
+GEN = 8
+COMMON = (
+    "--max-total-tokens", "4096", "--max-mamba-cache-size", "32", "--max-context-len", "512",
+    "--prefetch-threshold", "32", "--hicache-storage-prefetch-policy", "wait_complete",
+    "--prefetch-timeout-max-s", "20",
+)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_checkpoint("nemotron_h", tmp_path_factory.mktemp("m"), preset="tiny")
+
+
+@pytest.fixture(scope="module")
+def ref(model_dir):
+    return load_reference(model_dir)
+
+
+def _files(store: Path) -> int:
+    return sum(1 for p in store.rglob("*") if p.is_file())
+
+
+def _settle(store: Path, timeout_s: float = 10.0) -> None:
+    """Wait until background backups stop adding files."""
+    deadline = time.monotonic() + timeout_s
+    last = -1
+    while time.monotonic() < deadline:
+        n = _files(store)
+        if n == last and n > 0:
+            return
+        last = n
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def stored_conversation(server_factory, model_dir, ref, tmp_path_factory):
+    """Two turns served and backed up to a fresh store; the server is stopped afterwards."""
+    store = tmp_path_factory.mktemp("store")
+    s = server_factory(model_dir, *COMMON, "--hicache-storage-dir", str(store))
+    history: list[int] = []
+    with Client(s.endpoint) as c:
+        for turn, new in enumerate((40, 60)):  # states land at 32, then 96
+            history = history + _tokens(new, turn)
+            out = c.generate(input_ids=history, max_tokens=GEN, ignore_eos=True)
+            assert out.token_ids == greedy(ref, history, GEN)
+            history = history + out.token_ids
+    _settle(store)
+    st = s.cache_stats(check_invariants=True)
+    assert st.invariants_ok, st.invariants_error
+    s.stop()
+    assert _files(store) > 0
+    return store, history
+
+
+def test_restart_serves_the_next_turn_from_storage_with_the_same_tokens(
+    server_factory, model_dir, ref, stored_conversation
+):
+    store, history = stored_conversation
+    s = server_factory(model_dir, *COMMON, "--hicache-storage-dir", str(store))
+    nxt = history + _tokens(20, 7)
+    with Client(s.endpoint) as c:
+        out = c.generate(input_ids=nxt, max_tokens=GEN, ignore_eos=True)
+    assert out.usage is not None and out.usage.cached_tokens.storage >= 96
+    assert out.token_ids == greedy(ref, nxt, GEN)
+    st = s.cache_stats(check_invariants=True)
+    assert st.invariants_ok, st.invariants_error
+
+
+def test_small_host_pool_truncates_the_prefetch(server_factory, model_dir, ref, stored_conversation, tmp_path):
+    store, history = stored_conversation
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+    # 4 host pages: the 6-page stored prefix does not fit; the deepest state within 4 pages is at 32.
+    s = server_factory(model_dir, *COMMON, "--hicache-storage-dir", str(copy), "--hicache-tokens", "64")
+    nxt = history + _tokens(20, 8)
+    with Client(s.endpoint) as c:
+        out = c.generate(input_ids=nxt, max_tokens=GEN, ignore_eos=True)
+    assert out.usage is not None and 32 <= out.usage.cached_tokens.storage <= 64
+    assert out.token_ids == greedy(ref, nxt, GEN)
+    st = s.cache_stats(check_invariants=True)
+    assert st.invariants_ok, st.invariants_error
+
+
+def test_flaky_slow_corrupt_read_only_storage_keeps_serving(server_factory, model_dir, ref, stored_conversation, tmp_path):
+    store, history = stored_conversation
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+    victim = min(p for p in copy.rglob("*") if p.is_file())
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    for p in [copy, *copy.rglob("*")]:
+        p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+    s = server_factory(
+        model_dir, *COMMON[:-2], "--prefetch-timeout-max-s", "2", "--hicache-storage-dir", str(copy),
+        "--debug-storage-fail-rate", "0.3", "--debug-storage-slow-s", "0.01",
+    )
+    prompts = [history + _tokens(10, 20 + i) for i in range(3)] + [_tokens(70, 30 + i) for i in range(2)]
+    try:
+        with Client(s.endpoint) as c:
+            for p in prompts + prompts[:2]:
+                out = c.generate(input_ids=p, max_tokens=GEN, ignore_eos=True)
+                assert out.token_ids == greedy(ref, p, GEN)
+        time.sleep(1.0)
+        st = s.cache_stats(check_invariants=True)
+        assert st.invariants_ok, st.invariants_error
+        assert st.running_requests == 0
+    finally:
+        for p in [copy, *copy.rglob("*")]:
+            p.chmod(p.stat().st_mode | stat.S_IWUSR)
+    assert s.proc.poll() is None, "the server died"
+    if os.geteuid() != 0:
+        assert _files(copy) <= _files(store)  # a read-only store gained nothing
