@@ -73,8 +73,9 @@ class Decoder(Generic[T]):
         buf = header.buffer if hasattr(header, "buffer") else header
         try:
             msg = self._dec.decode(buf)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise WireError(str(e)) from None
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
+            # msgspec raises UnicodeDecodeError for invalid UTF-8 in a string field
+            raise WireError(f"undecodable message: {e}") from None
         return msg, list(frames[1:])
 
 

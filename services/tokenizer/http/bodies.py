@@ -8,7 +8,7 @@ ranges are checked by the same code that checks ZeroMQ requests.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 
@@ -28,7 +28,8 @@ class _Body(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int | None = None
     temperature: float | None = None  # None: OpenAI's default 1.0
     top_p: float = 1.0
-    n: int = 1
+    # Bounded here, before anything sized by n is built (a huge n must be a 400, not an allocation).
+    n: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -73,7 +74,7 @@ def decode_body(raw: bytes, body_type: type[CompletionBody] | type[ChatBody]) ->
     """Parse a JSON body into `body_type`; returns (typed body, the plain JSON object)."""
     try:
         obj = msgspec.json.decode(raw)
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:  # msgspec raises the latter for bad UTF-8
         raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from None
     if not isinstance(obj, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
