@@ -1,0 +1,157 @@
+"""How `himamba bench multiturn` shows its results: two tables, a JSON file and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from himamba.services.bench.latency_summary import RunSummary
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.1f}"
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _rate(r: float) -> str:
+    return "inf" if math.isinf(r) else f"{r:g}"
+
+
+def format_tables(rows: Sequence[RunSummary]) -> str:
+    """A latency/throughput table and a cache table, one line per (configuration, rate)."""
+    lat = [
+        (
+            f"{'config':<8} {'rate':>5} {'reqs':>5} {'fail':>4} {'ttft p50':>9} {'p90':>8} {'p99':>8} {'t3+ p50':>8} "
+            f"{'itl p50':>8} {'p90':>7} {'e2e p50':>8} {'p90':>8} {'in tok/s':>9} {'out tok/s':>9}"
+        )
+    ]
+    for r in rows:
+        lat.append(
+            f"{r.config:<8} {_rate(r.request_rate):>5} {r.num_requests:>5} {r.num_failed:>4} {_ms(r.ttft_p50_s):>9} "
+            f"{_ms(r.ttft_p90_s):>8} {_ms(r.ttft_p99_s):>8} {_ms(r.late_ttft_p50_s):>8} {_ms(r.itl_p50_s):>8} "
+            f"{_ms(r.itl_p90_s):>7} {_ms(r.e2e_p50_s):>8} {_ms(r.e2e_p90_s):>8} {r.input_tokens_per_s:>9.0f} "
+            f"{r.output_tokens_per_s:>9.1f}"
+        )
+    cache = [
+        (
+            f"{'config':<8} {'rate':>5} {'device':>7} {'host':>6} {'storage':>7} {'cached':>7} {'ideal':>6} "
+            f"{'of ideal':>8} | vs none: {'ttft p50':>8} {'t3+ ttft':>8} {'e2e p50':>8} {'out tok/s':>9}"
+        )
+    ]
+    for r in rows:
+        c, v = r.cached_ratio, r.ratios_vs_none
+        of_ideal = "-" if r.cached_vs_ideal is None else f"{r.cached_vs_ideal:.1%}"
+        cache.append(
+            f"{r.config:<8} {_rate(r.request_rate):>5} {c['device']:>7.3f} {c['host']:>6.3f} {c['storage']:>7.3f} "
+            f"{c['total']:>7.3f} {r.ideal_ratio:>6.3f} {of_ideal:>8} |          {_x(v.get('ttft_p50_speedup')):>8} "
+            f"{_x(v.get('late_ttft_p50_speedup')):>8} {_x(v.get('e2e_p50_speedup')):>8} "
+            f"{_x(v.get('output_tokens_throughput_gain')):>9}"
+        )
+    legend = (
+        "times in ms; t3+ = requests of round 3 and later; cached = prompt tokens served from each tier / prompt tokens; "
+        "ideal = share of prompt tokens that repeat the conversation; vs none: TTFT speedup (none / this), "
+        "throughput gain (this / none)"
+    )
+    return "\n".join([*lat, "", *cache, legend])
+
+
+def goal_lines(rows: Sequence[RunSummary], min_context: int = 2048) -> list[str]:
+    """The issue's goal, row by row: turn-3+ TTFT p50 >= 5x lower than `none`, cached >= 95% of ideal."""
+    out = []
+    for r in rows:
+        if r.config == "none":
+            continue
+        speed = r.ratios_vs_none.get("late_ttft_p50_speedup")
+        of_ideal = r.cached_vs_ideal
+        ok_speed = speed is not None and speed >= 5
+        ok_ratio = of_ideal is not None and of_ideal >= 0.95
+        long_enough = r.max_prompt_tokens > min_context
+        speed_text = (
+            "no `none` row to compare with"
+            if speed is None
+            else f"t3+ TTFT p50 {_x(speed)} lower than none ({'met' if ok_speed else 'NOT met'}, >= 5x)"
+        )
+        ratio_text = "-" if of_ideal is None else f"{of_ideal:.1%}"
+        out.append(
+            f"goal {r.config} @ {_rate(r.request_rate)}: {speed_text}; cached {ratio_text} of ideal "
+            f"({'met' if ok_ratio else 'NOT met'}, >= 95%); conversations reach {r.max_prompt_tokens} tokens"
+            + ("" if long_enough else f" (the goal asks for > {min_context})")
+        )
+    return out
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+
+
+class PlotOutcome(NamedTuple):
+    written: bool
+    note: str  # why not, when not written
+
+
+def plot(path: Path, rows: Sequence[RunSummary], title: str) -> PlotOutcome:
+    """TTFT and throughput per configuration: against the request rate when several rates were
+    run (a sweep), else as bars. Needs matplotlib (the `bench` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return PlotOutcome(False, "matplotlib is not installed (pip install 'himamba[bench]'): wrote JSON only")
+    configs = list(dict.fromkeys(r.config for r in rows))
+    rates = sorted({r.request_rate for r in rows})
+    fig, (ax_ttft, ax_tput) = plt.subplots(1, 2, figsize=(12, 4.8))
+    if len(rates) > 1:
+        finite = [x for x in rates if not math.isinf(x)]
+        # a closed-loop point (rate inf) is drawn just right of the highest finite rate
+        inf_at = (max(finite) * 1.5) if finite else 1.0
+        for cfg in configs:
+            mine = sorted((r for r in rows if r.config == cfg), key=lambda r: r.request_rate)
+            xs = [inf_at if math.isinf(r.request_rate) else r.request_rate for r in mine]
+            line = ax_ttft.plot(xs, [_ms_or_nan(r.ttft_p50_s) for r in mine], marker="o", label=f"{cfg} TTFT p50")
+            ax_ttft.plot(
+                xs, [_ms_or_nan(r.late_ttft_p50_s) for r in mine], marker="x", linestyle="--",
+                color=line[0].get_color(), label=f"{cfg} turn 3+ p50",
+            )  # fmt: skip
+            ax_tput.plot(xs, [r.output_tokens_per_s for r in mine], marker="o", label=cfg)
+        for ax in (ax_ttft, ax_tput):
+            ax.set_xlabel("request rate (req/s)")
+            if any(math.isinf(x) for x in rates):
+                ax.set_xticks([*finite, inf_at], [*(f"{x:g}" for x in finite), "inf\n(closed loop)"])
+        ax_ttft.set_yscale("log")
+    else:
+        xs = list(range(len(configs)))
+        by = {r.config: r for r in rows}
+        w = 0.38
+        ax_ttft.bar([x - w / 2 for x in xs], [_ms_or_nan(by[c].ttft_p50_s) for c in configs], w, label="TTFT p50")
+        ax_ttft.bar([x + w / 2 for x in xs], [_ms_or_nan(by[c].late_ttft_p50_s) for c in configs], w, label="turn 3+ p50")
+        ax_tput.bar([x - w / 2 for x in xs], [by[c].output_tokens_per_s for c in configs], w, label="output")
+        ax_tput.bar([x + w / 2 for x in xs], [by[c].input_tokens_per_s / 100 for c in configs], w, label="input / 100")
+        for ax in (ax_ttft, ax_tput):
+            ax.set_xticks(xs, configs)
+            ax.set_xlabel(f"cache configuration (request rate {_rate(rates[0])})")
+    ax_ttft.set_ylabel("TTFT (ms)")
+    ax_tput.set_ylabel("tokens/s")
+    ax_ttft.set_title("time to first token")
+    ax_tput.set_title("throughput")
+    for ax in (ax_ttft, ax_tput):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return PlotOutcome(True, "")
+
+
+def _ms_or_nan(v: float | None) -> float:
+    return math.nan if v is None else v * 1000

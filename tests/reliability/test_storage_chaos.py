@@ -1,0 +1,93 @@
+"""Storage-tier chaos (hooks, ready for the storage issue): with the file backend, corrupted or
+truncated objects, a storage directory that vanishes mid-load, and a read-only directory must
+leave answers equal to the no-cache reference, the server up, and nothing leaked. Every test
+skips while `himamba serve` has no `--hicache-storage-backend`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.reliability.chaos_wave import keep
+from tests.reliability.pools import assert_nothing_leaked, wait_drained
+from tests.reliability.prompts import Prompt, mixed_prompts, random_ids
+
+# Device and host pools far smaller than the conversations, so turns come back from storage.
+SMALL_TIERS = ("--max-total-tokens", "1024", "--max-mamba-cache-size", "12", "--hicache-tokens", "1024",
+               "--hicache-mamba-slots", "12", "--max-running-requests", "4")  # fmt: skip
+
+
+def _conversation_turns(seed: int, turns: int = 3) -> list[Prompt]:
+    rng = random.Random(seed)
+    history: list[int] = []
+    out = []
+    for _ in range(turns):
+        history = history + random_ids(48, rng)
+        out.append(Prompt(list(history), 8))
+    return out
+
+
+def _files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+def test_corrupted_and_truncated_objects_are_misses(storage_server_factory, reference_tokens, tmp_path):
+    turns = _conversation_turns(1)
+    first = storage_server_factory(tmp_path, *SMALL_TIERS)
+    asyncio.run(keep(first.endpoint, turns[:2]))
+    first.stop()
+    objects = _files(tmp_path)
+    assert objects, "the first server stored nothing"
+    for i, path in enumerate(objects):
+        data = bytearray(path.read_bytes())
+        if i % 2 and data:
+            data[len(data) // 2] ^= 0xFF  # one flipped byte
+            path.write_bytes(bytes(data))
+        else:
+            path.write_bytes(bytes(data[: len(data) // 2]))  # truncated
+    second = storage_server_factory(tmp_path, *SMALL_TIERS)
+    got = asyncio.run(keep(second.endpoint, turns))
+    assert got == reference_tokens([(p.input_ids, p.max_tokens) for p in turns])
+    assert second.proc.poll() is None
+    assert_nothing_leaked(wait_drained(second))
+
+
+def test_storage_directory_removed_mid_load(served, reference_tokens):
+    """On the shared server under test (it runs last there): its store vanishes under load."""
+    if served.main_storage_dir is None:
+        pytest.skip("the server has no storage tier")
+    prompts = mixed_prompts(48, seed=77, max_tokens=(4, 8))
+
+    async def run() -> list[list[int]]:
+        task = asyncio.get_running_loop().create_task(keep(served.main.endpoint, prompts))
+        await asyncio.sleep(0.5)
+        shutil.rmtree(served.main_storage_dir, ignore_errors=True)
+        return await task
+
+    got = asyncio.run(run())
+    assert got == reference_tokens([(p.input_ids, p.max_tokens) for p in prompts])
+    again = asyncio.run(keep(served.main.endpoint, prompts[:8]))  # and after, with no store at all
+    assert again == reference_tokens([(p.input_ids, p.max_tokens) for p in prompts[:8]])
+    assert served.main.proc.poll() is None
+    assert_nothing_leaked(wait_drained(served.main))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through a read-only mode: needs an unprivileged user")
+def test_read_only_storage_directory(storage_server_factory, reference_tokens, tmp_path):
+    store = tmp_path / "ro"
+    store.mkdir()
+    store.chmod(0o555)
+    try:
+        server = storage_server_factory(store, *SMALL_TIERS)
+        turns = _conversation_turns(2)
+        got = asyncio.run(keep(server.endpoint, turns))
+        assert got == reference_tokens([(p.input_ids, p.max_tokens) for p in turns])
+        assert server.proc.poll() is None
+        assert_nothing_leaked(wait_drained(server))
+    finally:
+        store.chmod(0o755)
