@@ -60,6 +60,9 @@ def causal_conv1d(
         raise ValueError(
             f"initial_state must be [B={batch}, D={channels}, K-1={width - 1}], got {tuple(initial_state.shape)}"
         )
+    # Lower precisions keep F.conv1d: the time-major taps would round after every multiply-add.
+    if x.stride(1) == 1 and length > 1 and weight.dtype == torch.float32:
+        return _causal_conv1d_time_major(x, weight, bias, initial_state, activation)
     padded = torch.cat([initial_state.to(weight.dtype), x.to(weight.dtype)], dim=-1)  # [B, D, K-1+L]
     out = F.conv1d(padded, weight.unsqueeze(1), bias, groups=channels)  # [B, D, L]
     if activation == "silu":
@@ -67,6 +70,31 @@ def causal_conv1d(
     # A negative start would wrap when K == 1 (an empty state), so slice from an explicit index.
     final_state = padded[:, :, padded.shape[-1] - (width - 1) :].to(initial_state.dtype).contiguous()
     return ConvResult(out.to(x.dtype), final_state)
+
+
+def _causal_conv1d_time_major(
+    x: Tensor, weight: Tensor, bias: Tensor | None, initial_state: Tensor, activation: str | None
+) -> ConvResult:
+    """`causal_conv1d` for x whose channels are contiguous (a [B, L, D] tensor seen as [B, D, L]).
+
+    A model's projections come out time-major; transposing them for F.conv1d and back costs
+    more than the conv. Here the K taps are K shifted multiply-adds over [B, L, D] and `out` is
+    returned as a [B, D, L] view of a time-major tensor (`out.transpose(1, 2)` is contiguous).
+    """
+    batch, channels, length = x.shape
+    width = weight.shape[1]
+    padded = torch.cat([initial_state.transpose(1, 2).to(weight.dtype), x.transpose(1, 2).to(weight.dtype)], dim=1)
+    taps = weight.t()  # [K, D]
+    if bias is None:
+        out = padded[:, :length] * taps[0]
+    else:
+        out = torch.addcmul(bias, padded[:, :length], taps[0])
+    for k in range(1, width):
+        out.addcmul_(padded[:, k : k + length], taps[k])
+    if activation == "silu":
+        out = F.silu(out, inplace=True)
+    final_state = padded[:, padded.shape[1] - (width - 1) :].transpose(1, 2).to(initial_state.dtype).contiguous()
+    return ConvResult(out.to(x.dtype).transpose(1, 2), final_state)
 
 
 def causal_conv1d_update(

@@ -32,6 +32,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, multiply_in_float32: bool = 
     multiplies in float32 and casts the product: pass `multiply_in_float32=True` for it.
     """
     _check_weight(x, weight)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # The same arithmetic in one ATen call (x * rsqrt(mean(x^2) + eps) * weight): bit-identical.
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     normed = _normalize(x.float(), eps)
     if multiply_in_float32:
         return (weight.float() * normed).to(x.dtype)
@@ -50,9 +53,13 @@ def gated_rms_norm(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, g
         raise ValueError(f"group_size must divide D={width}, got {group_size}")
     if gate is not None and gate.shape != x.shape:
         raise ValueError(f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
-    u = x.float()
-    if gate is not None:
-        u = u * F.silu(gate.float())
+    if gate is None:
+        u = x.float()
+    else:
+        # silu(gate) * x is x * silu(gate) bit for bit; multiplying into the fresh silu saves a pass.
+        u = F.silu(gate.float()).mul_(x)
     grouped = u.reshape(*x.shape[:-1], width // group_size, group_size)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(grouped, (group_size,), None, eps).view(x.shape).mul_(weight)
     normed = _normalize(grouped, eps).reshape(x.shape)
     return (weight * normed.to(x.dtype)).to(x.dtype)

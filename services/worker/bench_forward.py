@@ -1,0 +1,760 @@
+"""`himamba bench forward`: prefill and decode throughput of our worker against transformers.
+
+One run, one process, both engines on the same checkpoint, dtype and torch threads. Ours is
+driven exactly as the worker drives it: a RunBatch (what the scheduler sends) goes through
+`runner.build_forward_batch`, the model's forward over the paged KV / state pools, then
+`sampler.sample`; batch building and sampling are timed apart from the forward. transformers
+runs `NemotronHForCausalLM` (etc.) with its own cache, keeping only the last position's logits.
+
+Measurements alternate between the two engines (prefill repeat by repeat, decode step by step)
+so that load from other processes on a shared machine hits both alike; figures are medians.
+Machine limits come from two probes (a square matmul for FLOP/s, a large tensor copy for memory
+bandwidth) and each figure is also given as a fraction of them. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from himamba.common.messages import RunBatch, SeqPlan
+from himamba.common.types import SamplingParams
+from himamba.common.wire import tensor_frame, tensor_ref
+from himamba.services.modelgen.checkpoint import ARCHS, make_checkpoint
+from himamba.services.worker.layers.attention import PagedAttention
+from himamba.services.worker.layers.linear import Linear
+from himamba.services.worker.layers.mamba2 import Mamba2Mixer
+from himamba.services.worker.layers.moe import RoutedExperts
+from himamba.services.worker.loader import load_model
+from himamba.services.worker.models.base import HybridModel
+from himamba.services.worker.pools import KVPool, StatePool
+from himamba.services.worker.runner import build_forward_batch
+from himamba.services.worker.sampler import sample
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+# ---------------------------------------------------------------- machine limits
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Where the bench ran and what its probes measured."""
+
+    cores: int
+    torch_threads: int
+    device: str
+    cpu: str
+    torch_version: str
+    omp_wait_policy: str  # OMP_WAIT_POLICY the run had ("default" when unset)
+    matmul_flops_per_s: float  # in the bench dtype
+    copy_bytes_per_s: float  # bytes read + written per second
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _median_time(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def probe_machine(dtype: torch.dtype, threads: int) -> Machine:
+    """FLOP/s of a 1024^3 matmul and bytes/s of a 256 MiB copy, medians of a few runs."""
+    n = 1024
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    torch.mm(a, b, out=out)  # warm up the BLAS
+    flops = 2 * n**3 / _median_time(lambda: torch.mm(a, b, out=out), 7)
+    src = torch.ones(64 << 20, dtype=torch.float32)  # 256 MiB: far past any cache
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy_s = _median_time(lambda: dst.copy_(src), 5)
+    return Machine(
+        cores=os.cpu_count() or 1,
+        torch_threads=threads,
+        device="cpu",
+        cpu=_cpu_name(),
+        torch_version=torch.__version__,
+        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"),
+        matmul_flops_per_s=flops,
+        copy_bytes_per_s=2 * src.numel() * src.element_size() / copy_s,
+    )
+
+
+# ---------------------------------------------------------------- the model's cost
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What one token costs, from the model's layer shapes (so from its config).
+
+    FLOPs count multiply-adds as 2 and only the dense work the kernels do: projections, the
+    attention scores and values, and the chunked SSD scan's four products (a full Q x Q block
+    per chunk, as the kernel computes it). Elementwise work is left out.
+    """
+
+    params: int  # every parameter (embedding table included)
+    matmul_params: int  # parameters in per-token projections, LM head excluded
+    head_params: int  # the LM head (applied to each sequence's last token only)
+    weight_bytes_per_step: int  # weights a decode step reads: projections + head + B embedding rows
+    attention: tuple[tuple[int, int, int], ...]  # (q heads, kv heads, head dim) per attention layer
+    mamba: tuple[tuple[int, int, int, int, int], ...]  # (heads, head dim, groups, state, chunk) per layer
+    hidden_size: int
+    element_size: int
+    kv_bytes_per_token: int
+    state_bytes_per_seq: int
+
+    def attention_flops(self, context: float) -> float:
+        """Per query token attending to `context` keys."""
+        return sum(4.0 * context * hq * d for hq, _, d in self.attention)
+
+    def ssd_flops_per_token(self, chunked: bool) -> float:
+        total = 0.0
+        for heads, p, g, n, q in self.mamba:
+            state = 2.0 * heads * p * n  # read out (y = h . C)
+            update = 2.0 * heads * p * n  # h += dt * x (x) B
+            if chunked:
+                total += 2.0 * q * g * n + 2.0 * q * heads * p + state + update
+            else:
+                total += state + update
+        return total
+
+    def prefill_flops(self, length: int) -> float:
+        """FLOPs of one prompt of `length` tokens (logits of the last token only)."""
+        per_token = 2.0 * self.matmul_params + self.ssd_flops_per_token(chunked=True)
+        return length * per_token + self.attention_flops((length + 1) / 2) * length + 2.0 * self.head_params
+
+    def decode_flops(self, context: float) -> float:
+        """FLOPs of one decode token with `context` tokens in its KV (the new one included)."""
+        return (
+            2.0 * (self.matmul_params + self.head_params)
+            + self.ssd_flops_per_token(chunked=False)
+            + self.attention_flops(context)
+        )
+
+    def decode_bytes(self, batch: int, context: float) -> float:
+        """Bytes one decode step must read at least: weights once, each sequence's KV and state
+        (the state is also written back)."""
+        return (
+            self.weight_bytes_per_step
+            + batch * self.hidden_size * self.element_size
+            + batch * context * self.kv_bytes_per_token
+            + 2 * batch * self.state_bytes_per_seq
+        )
+
+
+def _routed_fraction(parent: torch.nn.Module) -> float:
+    for child in parent.children():
+        top_k = getattr(child, "top_k", None)
+        if isinstance(top_k, int):
+            for sibling in parent.children():
+                if isinstance(sibling, RoutedExperts):
+                    return top_k / sibling.num_experts
+    return 1.0
+
+
+def model_cost(model: HybridModel) -> ModelCost:
+    """Read the cost figures off a built model's modules."""
+    assert isinstance(model, torch.nn.Module)
+    matmul = 0
+    attention, mamba = [], []
+    for module in model.modules():
+        for child in module.children():
+            if isinstance(child, RoutedExperts):
+                matmul += int(sum(p.numel() for p in child.parameters()) * _routed_fraction(module))
+        if isinstance(module, Linear):
+            matmul += module.weight.numel()
+        elif isinstance(module, PagedAttention):
+            attention.append((module.num_heads, module.num_kv_heads, module.head_dim))
+        elif isinstance(module, Mamba2Mixer):
+            mamba.append((module.num_heads, module.head_dim, module.n_groups, module.state_size, module.chunk_size))
+    head = model.lm_head  # type: ignore[attr-defined]
+    head_weight = head._tied[0].weight if head.is_tied else head.weight
+    element = head_weight.element_size()
+    # Small per-layer vectors (norms, conv, dt) are read too: count every non-embedding parameter.
+    embedding = model.model.embeddings.weight  # type: ignore[attr-defined]
+    non_embedding = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
+    if head.is_tied:
+        non_embedding += head_weight.numel() * element
+    kv, state = model.kv_spec(), model.state_spec()
+    return ModelCost(
+        params=sum(p.numel() for p in model.parameters()),
+        matmul_params=matmul,
+        head_params=head_weight.numel(),
+        weight_bytes_per_step=non_embedding,
+        attention=tuple(attention),
+        mamba=tuple(mamba),
+        hidden_size=embedding.shape[1],
+        element_size=element,
+        kv_bytes_per_token=kv.bytes_per_token(),
+        state_bytes_per_seq=state.bytes_per_slot(),
+    )
+
+
+# ---------------------------------------------------------------- our worker, driven like the real one
+
+
+class StepTimes:
+    """Seconds spent per step in each part of the worker's step."""
+
+    def __init__(self) -> None:
+        self.build: list[float] = []
+        self.model: list[float] = []
+        self.sample: list[float] = []
+
+    def total(self) -> list[float]:
+        return [a + b + c for a, b, c in zip(self.build, self.model, self.sample, strict=True)]
+
+
+@dataclass
+class _Seq:
+    rid: str
+    state_slot: int
+    pages: list[int]
+    length: int = 0
+    last_token: int = 0
+
+
+class OurEngine:
+    """Pools sized for the bench, a trivial page allocator, and the worker's step:
+    build_forward_batch -> (zero new state slots) -> model.forward -> sample."""
+
+    def __init__(self, model: HybridModel, page_size: int, max_tokens: int, max_seqs: int, seed: int = 0) -> None:
+        self.model = model
+        self.page_size = page_size
+        self.device = torch.device("cpu")
+        num_pages = -(-max_tokens // page_size) + max_seqs
+        self.kv = KVPool(model.kv_spec(), num_pages, page_size, self.device)
+        self.state = StatePool(model.state_spec(), max_seqs, self.device)
+        # Shuffled, as a long-running server's free lists are: a batch's pages and state slots
+        # are scattered, never one convenient consecutive run.
+        gen = torch.Generator().manual_seed(seed)
+        self._free_pages: list[int] = torch.randperm(num_pages, generator=gen).tolist()
+        self._free_slots: list[int] = torch.randperm(max_seqs, generator=gen).tolist()
+        self._batch_id = 0
+        self._seqs = 0
+
+    def new_seq(self) -> _Seq:
+        self._seqs += 1
+        return _Seq(rid=f"seq{self._seqs}", state_slot=self._free_slots.pop(), pages=[])
+
+    def release(self, seqs: list[_Seq]) -> None:
+        for s in seqs:
+            self._free_pages += s.pages
+            self._free_slots.append(s.state_slot)
+            s.pages = []
+
+    def _grow(self, seq: _Seq, length: int) -> None:
+        while len(seq.pages) * self.page_size < length:
+            seq.pages.append(self._free_pages.pop())
+
+    def step(self, mode: str, seqs: list[_Seq], new_tokens: list[list[int]], times: StepTimes) -> list[int]:
+        """Run one batch through the worker's path; record its timings; returns the sampled tokens."""
+        plans, ids, pages = [], [], []
+        for s, toks in zip(seqs, new_tokens, strict=True):
+            self._grow(s, s.length + len(toks))
+            plans.append(
+                SeqPlan(
+                    rid=s.rid,
+                    prefix_len=s.length,
+                    new_len=len(toks),
+                    num_pages=len(s.pages),
+                    state_slot=s.state_slot,
+                    state_init="zero" if s.length == 0 else "keep",
+                    sampling=_GREEDY,
+                )
+            )
+            ids += toks
+            pages += s.pages
+        ids_t = torch.tensor(ids, dtype=torch.int64)
+        pages_t = torch.tensor(pages, dtype=torch.int64)
+        self._batch_id += 1
+        msg = RunBatch(
+            batch_id=self._batch_id,
+            mode=mode,  # type: ignore[arg-type]
+            seqs=plans,
+            input_ids=tensor_ref(ids_t, 0),
+            pages=tensor_ref(pages_t, 1),
+        )
+        frames = [tensor_frame(ids_t), tensor_frame(pages_t)]
+
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            batch = build_forward_batch(
+                msg, frames, self.page_size, self.kv.num_pages, self.state.num_slots, self.device
+            )
+            zero = [p.state_slot for p in plans if p.state_init == "zero"]
+            if zero:
+                self.state.zero(torch.tensor(zero, dtype=torch.int64))
+        t1 = time.perf_counter()
+        logits = self.model.forward(batch, self.kv, self.state)
+        t2 = time.perf_counter()
+        tokens = sample(logits, [p.sampling for p in plans], [0] * len(plans)).tokens
+        t3 = time.perf_counter()
+        times.build.append(t1 - t0)
+        times.model.append(t2 - t1)
+        times.sample.append(t3 - t2)
+        for s, toks, tok in zip(seqs, new_tokens, tokens, strict=True):
+            s.length += len(toks)
+            s.last_token = tok
+        return tokens
+
+
+# ---------------------------------------------------------------- transformers
+
+
+class HFEngine:
+    """transformers' model with its own cache; greedy argmax on the last position's logits."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        self.model.eval()
+        self.cache: Any = None
+        self.next: torch.Tensor | None = None
+
+    def prefill(self, prompts: torch.Tensor) -> None:
+        """prompts [B, L]: a fresh cache, the prompts' forward, the next tokens."""
+        with torch.inference_mode():
+            out = self.model(input_ids=prompts, use_cache=True, logits_to_keep=1)
+        self.cache = out.past_key_values
+        self.next = out.logits[:, -1].argmax(-1, keepdim=True)
+
+    def decode(self) -> None:
+        """One decode step of every sequence in the cache."""
+        assert self.next is not None
+        with torch.inference_mode():
+            out = self.model(input_ids=self.next, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.cache = out.past_key_values
+        self.next = out.logits[:, -1].argmax(-1, keepdim=True)
+
+
+# ---------------------------------------------------------------- the run
+
+
+@dataclass
+class Row:
+    """One line of the table."""
+
+    phase: str  # "prefill" | "decode"
+    size: int  # prompt length (prefill) or batch size (decode)
+    tokens_per_step: int
+    ours_tok_s: float
+    ours_model_tok_s: float  # forward only
+    hf_tok_s: float | None
+    ratio: float | None
+    build_ms: float
+    model_ms: float
+    sample_ms: float
+    flops_fraction: float  # of the matmul probe, for our whole step
+    bandwidth_fraction: float | None  # of the copy probe (decode only)
+    context: float  # mean KV context length during the step(s)
+
+
+@dataclass
+class Options:
+    arch: str
+    preset: str
+    dtype: str
+    threads: int
+    prompt_lens: list[int]
+    batches: list[int]
+    context: int
+    repeats: int
+    decode_steps: int
+    page_size: int
+    reference: bool
+    checkpoint: Path | None
+    seed: int
+    omp_wait_policy: str  # "passive" | "active" | "inherit"
+
+
+class Progress:
+    """A one-line progress display on stderr (one line per update when it is not a terminal)."""
+
+    def __init__(self, total: int, stream: TextIO) -> None:
+        self.total = total
+        self.done = 0
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.t0 = time.perf_counter()
+
+    def update(self, what: str, advance: int = 1) -> None:
+        self.done += advance
+        line = f"[{self.done:>3}/{self.total}] {time.perf_counter() - self.t0:6.1f}s  {what}"
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def checkpoint_dir(arch: str, preset: str, seed: int) -> Path:
+    """The cached checkpoint of (arch, preset, seed), made once with make_checkpoint."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "himamba" / "checkpoints"
+    path = root / f"{arch}-{preset}-seed{seed}"
+    if (path / "config.json").exists() and (path / "model.safetensors").exists():
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    # Built beside its final place and renamed, so an interrupted build is never read back.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=root))
+    try:
+        make_checkpoint(arch, tmp, preset, seed)
+        try:
+            tmp.rename(path)
+        except OSError:  # another run finished first
+            pass
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _prompt(gen: torch.Generator, vocab: int, length: int) -> list[int]:
+    # Token 0 is the demo tokenizer's EOS: keep it out of prompts.
+    return torch.randint(1, vocab, (length,), generator=gen).tolist()
+
+
+def _decode_contexts(batch: int, context: int) -> list[int]:
+    """Context lengths of a decode batch: mixed lengths around `context` (exactly it for B=1)."""
+    spread = max(context // 16, 0)
+    if spread == 0:
+        return [context] * batch
+    return [context + ((i * 7 + spread) % (2 * spread + 1)) - spread for i in range(batch)]
+
+
+@dataclass
+class _Measured:
+    """Raw timings of one table row, turned into a Row once the machine probes are all in."""
+
+    phase: str
+    size: int
+    tokens: int
+    ours: StepTimes
+    hf: list[float]
+    context: float
+
+
+def _median_machine(probes: list[Machine]) -> Machine:
+    """The probes' median limits (load from other processes moves them during a run)."""
+    return Machine(
+        **{
+            **asdict(probes[0]),
+            "matmul_flops_per_s": statistics.median(p.matmul_flops_per_s for p in probes),
+            "copy_bytes_per_s": statistics.median(p.copy_bytes_per_s for p in probes),
+        }
+    )
+
+
+def run(opts: Options, out: TextIO, err: TextIO) -> dict[str, Any]:
+    """Do the whole bench; print the table to `out`, progress to `err`; return the JSON summary."""
+    torch.set_num_threads(opts.threads)
+    dtype = _DTYPES[opts.dtype]
+    ckpt = opts.checkpoint or checkpoint_dir(opts.arch, opts.preset, opts.seed)
+    err.write(f"checkpoint {ckpt}\n")
+    model = load_model(ckpt, device="cpu", dtype=dtype)
+    cost = model_cost(model)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    max_batch = max(opts.batches)
+    decode_tokens = max_batch * (opts.context + opts.context // 16 + opts.decode_steps + 8)
+    ours = OurEngine(
+        model,
+        opts.page_size,
+        max_tokens=max(max(opts.prompt_lens), decode_tokens),
+        max_seqs=max_batch + 1,
+        seed=opts.seed,
+    )
+    hf = HFEngine(ckpt, dtype) if opts.reference else None
+    gen = torch.Generator().manual_seed(opts.seed)
+    vocab = model.vocab_size
+
+    prefill_units = len(opts.prompt_lens) * (opts.repeats + 1)
+    decode_units = len(opts.batches) * (opts.decode_steps + 3)
+    progress = Progress(prefill_units + decode_units + 3, err)
+    probes = [probe_machine(dtype, opts.threads)]
+    progress.update("machine probes")
+    measured: list[_Measured] = []
+
+    for length in opts.prompt_lens:
+        prompt = _prompt(gen, vocab, length)
+        row = _Measured("prefill", length, length, StepTimes(), [], float(length))
+        for r in range(opts.repeats + 1):  # round 0 warms both engines up; who goes first alternates
+            for engine in ("ours", "hf") if r % 2 == 0 else ("hf", "ours"):
+                if engine == "ours":
+                    seq = ours.new_seq()
+                    ours.step("prefill", [seq], [prompt], row.ours if r > 0 else StepTimes())
+                    ours.release([seq])
+                elif hf is not None:
+                    t0 = time.perf_counter()
+                    hf.prefill(torch.tensor([prompt]))
+                    if r > 0:
+                        row.hf.append(time.perf_counter() - t0)
+            progress.update(f"prefill L={length} round {r}/{opts.repeats}")
+        measured.append(row)
+    probes.append(probe_machine(dtype, opts.threads))
+    progress.update("machine probes")
+
+    for batch in opts.batches:
+        contexts = _decode_contexts(batch, opts.context)
+        seqs = [ours.new_seq() for _ in range(batch)]
+        ours.step("prefill", seqs, [_prompt(gen, vocab, n) for n in contexts], StepTimes())
+        if hf is not None:
+            hf.prefill(torch.randint(1, vocab, (batch, opts.context), generator=gen))
+        progress.update(f"decode B={batch}: contexts prefilled")
+        # Contexts grow by one token a step: the mean over the timed steps.
+        mean_context = statistics.mean(contexts) + 2.5 + opts.decode_steps / 2
+        row = _Measured("decode", batch, batch, StepTimes(), [], mean_context)
+        for step in range(opts.decode_steps + 2):  # two warm-up steps
+            timed = step >= 2
+            for engine in ("ours", "hf") if step % 2 == 0 else ("hf", "ours"):
+                if engine == "ours":
+                    ours.step("decode", seqs, [[s.last_token] for s in seqs], row.ours if timed else StepTimes())
+                elif hf is not None:
+                    t0 = time.perf_counter()
+                    hf.decode()
+                    if timed:
+                        row.hf.append(time.perf_counter() - t0)
+            progress.update(f"decode B={batch} step {step + 1}/{opts.decode_steps + 2}")
+        measured.append(row)
+        ours.release(seqs)
+        if hf is not None:
+            hf.cache = None
+    probes.append(probe_machine(dtype, opts.threads))
+    progress.update("machine probes")
+    progress.close()
+
+    machine = _median_machine(probes)
+    rows = [_row(m.phase, m.size, m.tokens, m.ours, m.hf, cost, machine, m.context) for m in measured]
+    summary = {
+        "bench": "forward",
+        "arch": opts.arch,
+        "preset": opts.preset,
+        "dtype": opts.dtype,
+        "checkpoint": str(ckpt),
+        "machine": asdict(machine),
+        "model": _model_summary(cfg, cost),
+        "rows": [asdict(r) for r in rows],
+    }
+    _print_table(out, opts, machine, cfg, cost, rows)
+    return summary
+
+
+def _row(
+    phase: str,
+    size: int,
+    tokens: int,
+    times: StepTimes,
+    hf_times: list[float],
+    cost: ModelCost,
+    machine: Machine,
+    context: float,
+) -> Row:
+    step = statistics.median(times.total())
+    model_s = statistics.median(times.model)
+    hf_tok_s = tokens / statistics.median(hf_times) if hf_times else None
+    ours_tok_s = tokens / step
+    if phase == "prefill":
+        flops = cost.prefill_flops(size)
+        bw = None
+    else:
+        flops = size * cost.decode_flops(context)
+        bw = cost.decode_bytes(size, context) / step / machine.copy_bytes_per_s
+    return Row(
+        phase=phase,
+        size=size,
+        tokens_per_step=tokens,
+        ours_tok_s=ours_tok_s,
+        ours_model_tok_s=tokens / model_s,
+        hf_tok_s=hf_tok_s,
+        ratio=ours_tok_s / hf_tok_s if hf_tok_s else None,
+        build_ms=1e3 * statistics.median(times.build),
+        model_ms=1e3 * model_s,
+        sample_ms=1e3 * statistics.median(times.sample),
+        flops_fraction=flops / step / machine.matmul_flops_per_s,
+        bandwidth_fraction=bw,
+        context=context,
+    )
+
+
+def _model_summary(cfg: dict[str, Any], cost: ModelCost) -> dict[str, Any]:
+    keys = (
+        "architectures",
+        "hidden_size",
+        "layers_block_type",
+        "layer_types",
+        "hybrid_override_pattern",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "mamba_num_heads",
+        "mamba_head_dim",
+        "ssm_state_size",
+        "n_groups",
+        "chunk_size",
+        "vocab_size",
+    )
+    summary = {k: cfg[k] for k in keys if k in cfg}
+    summary["params"] = cost.params
+    summary["decode_weight_bytes"] = cost.weight_bytes_per_step
+    return summary
+
+
+def _layer_string(cfg: dict[str, Any]) -> str:
+    kinds = cfg.get("layers_block_type") or cfg.get("layer_types") or []
+    letters = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-", "moe": "E"}
+    return "".join(letters.get(k, "?") for k in kinds) or str(cfg.get("hybrid_override_pattern", "?"))
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _print_table(
+    out: TextIO, opts: Options, machine: Machine, cfg: dict[str, Any], cost: ModelCost, rows: list[Row]
+) -> None:
+    gflops = machine.matmul_flops_per_s / 1e9
+    gbs = machine.copy_bytes_per_s / 1e9
+    out.write(
+        f"machine: {machine.cpu}; {machine.cores} cores, torch threads {machine.torch_threads}, "
+        f"device {machine.device}, torch {machine.torch_version}, OMP_WAIT_POLICY {machine.omp_wait_policy}\n"
+        f"limits (median of 3 probes): matmul {gflops:.1f} GFLOP/s ({opts.dtype}), "
+        f"copy {gbs:.1f} GB/s (read+write)\n"
+        f"model: {opts.arch} {opts.preset}, {cost.params / 1e6:.1f}M params, hidden {cfg.get('hidden_size')}, "
+        f"layers {_layer_string(cfg)}, vocab {cfg.get('vocab_size')}, dtype {opts.dtype}; "
+        f"decode reads {cost.weight_bytes_per_step / 2**20:.1f} MiB of weights per step\n"
+        f"decode contexts ~{opts.context} tokens (ours: mixed lengths +-{opts.context // 16}; transformers: "
+        f"all {opts.context}); medians of {opts.repeats} prefill repeats / {opts.decode_steps} decode steps\n\n"
+    )
+    header = (
+        f"{'phase':<8}{'size':>6} {'ours tok/s':>11}{'hf tok/s':>10}{'ratio':>8}"
+        f"{'model ms':>10}{'build ms':>10}{'sample ms':>10}{'ovh':>6}{'%FLOP/s':>9}{'%BW':>7}"
+    )
+    out.write(header + "\n" + "-" * len(header) + "\n")
+    for r in rows:
+        size = f"L={r.size}" if r.phase == "prefill" else f"B={r.size}"
+        bw = "" if r.bandwidth_fraction is None else f"{100 * r.bandwidth_fraction:.0f}%"
+        overhead = (r.build_ms + r.sample_ms) / (r.build_ms + r.model_ms + r.sample_ms)
+        out.write(
+            f"{r.phase:<8}{size:>6} {r.ours_tok_s:>11.1f}{_fmt(r.hf_tok_s, '.1f'):>10}"
+            f"{_fmt(r.ratio, '.2f'):>8}{r.model_ms:>10.2f}{r.build_ms:>10.3f}{r.sample_ms:>10.3f}"
+            f"{100 * overhead:>5.1f}%{100 * r.flops_fraction:>8.0f}%{bw:>7}\n"
+        )
+    out.write(
+        "\nours tok/s counts the whole worker step (build + model + sample); model/build/sample ms are per step,\n"
+        "ovh is build + sample (the step's Python overhead) as a share of the step.\n"
+        "%FLOP/s: model FLOPs done per second over the matmul probe; %BW: bytes a decode step must read\n"
+        "(weights, KV, state) per second over the copy probe.\n"
+    )
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def parse_args(argv: list[str]) -> Options:
+    p = argparse.ArgumentParser(prog="himamba bench forward", description=__doc__.split("\n")[0])
+    p.add_argument("--arch", choices=ARCHS, default="nemotron_h")
+    p.add_argument("--preset", default="medium")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default="float32")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (both engines)")
+    p.add_argument("--prompt-lens", type=_int_list, default=[128, 512, 2048])
+    p.add_argument("--batches", type=_int_list, default=[1, 8, 32])
+    p.add_argument("--context", type=int, default=128, help="decode context length per sequence")
+    p.add_argument("--repeats", type=int, default=3, help="prefill repeats (after one warm-up)")
+    p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps (after two warm-up)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--no-reference", action="store_true", help="skip transformers (ours only)")
+    p.add_argument("--checkpoint", type=Path, default=None, help="use this model directory instead")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--omp-wait-policy",
+        choices=("passive", "active", "inherit"),
+        default="passive",
+        help="OpenMP idle threads sleep (passive) or spin (active); both engines run under it. On a "
+        "machine shared with other work, spinning threads of a parallel region wait for a descheduled "
+        "peer at every op: 10-30x slower decode for both engines (default: passive)",
+    )
+    a = p.parse_args(argv)
+    for name in ("threads", "context", "repeats", "decode_steps", "page_size"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return Options(
+        arch=a.arch,
+        preset=a.preset,
+        dtype=a.dtype,
+        threads=a.threads,
+        prompt_lens=a.prompt_lens,
+        batches=a.batches,
+        context=a.context,
+        repeats=a.repeats,
+        decode_steps=a.decode_steps,
+        page_size=a.page_size,
+        reference=not a.no_reference,
+        checkpoint=a.checkpoint,
+        seed=a.seed,
+        omp_wait_policy=a.omp_wait_policy,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `himamba bench forward`; returns the exit status.
+
+    OpenMP reads OMP_WAIT_POLICY once, when torch loads it, so a run that needs another policy
+    than this process has is re-run in a child process with it set.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    opts = parse_args(args)
+    wanted = opts.omp_wait_policy.upper()
+    if opts.omp_wait_policy != "inherit" and os.environ.get("OMP_WAIT_POLICY", "").upper() != wanted:
+        env = dict(os.environ, OMP_WAIT_POLICY=wanted)
+        return subprocess.call([sys.executable, "-m", "himamba.services.worker.bench_forward", *args], env=env)
+    summary = run(opts, sys.stdout, sys.stderr)
+    sys.stdout.write(json.dumps(summary) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

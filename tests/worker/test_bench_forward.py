@@ -1,0 +1,91 @@
+"""`himamba bench forward` on a tiny checkpoint: the table, the JSON line, the cost model."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from himamba.services.worker.bench_forward import Options, _decode_contexts, main, model_cost, run
+from himamba.services.worker.loader import load_model
+from tests.worker.hf_reference import save_nemotron_h
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_nemotron_h(Path(tmp_path_factory.mktemp("bench")) / "hf")
+
+
+def _options(checkpoint: Path, reference: bool) -> Options:
+    return Options(
+        arch="nemotron_h",
+        preset="tiny",
+        dtype="float32",
+        threads=1,
+        prompt_lens=[8, 20],
+        batches=[1, 3],
+        context=16,
+        repeats=1,
+        decode_steps=2,
+        page_size=16,
+        reference=reference,
+        checkpoint=checkpoint,
+        seed=0,
+        omp_wait_policy="inherit",
+    )
+
+
+def test_run_measures_both_engines_on_every_shape(checkpoint: Path) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    summary = run(_options(checkpoint, reference=True), out, err)
+    rows = summary["rows"]
+    assert [(r["phase"], r["size"]) for r in rows] == [("prefill", 8), ("prefill", 20), ("decode", 1), ("decode", 3)]
+    for r in rows:
+        assert r["ours_tok_s"] > 0 and r["hf_tok_s"] > 0
+        assert r["ratio"] == pytest.approx(r["ours_tok_s"] / r["hf_tok_s"])
+        assert r["model_ms"] > 0 and r["build_ms"] > 0 and r["sample_ms"] > 0
+        assert r["flops_fraction"] > 0
+        assert (r["bandwidth_fraction"] is None) == (r["phase"] == "prefill")
+    table = out.getvalue()
+    for label in ("L=8", "L=20", "B=1", "B=3", "matmul", "GFLOP/s", "torch threads 1"):
+        assert label in table
+    assert "decode B=3" in err.getvalue()  # the progress display
+    json.dumps(summary)  # the summary is plain JSON
+
+
+def test_main_ends_with_one_json_line(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--checkpoint", str(checkpoint), "--prompt-lens", "8", "--batches", "2", "--context", "16"]
+    argv += ["--repeats", "1", "--decode-steps", "1", "--threads", "1", "--no-reference"]
+    assert main([*argv, "--omp-wait-policy", "inherit"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    summary = json.loads(last)
+    assert summary["bench"] == "forward" and summary["machine"]["torch_threads"] == 1
+    assert [r["hf_tok_s"] for r in summary["rows"]] == [None, None]
+
+
+def test_bad_arguments_are_rejected(checkpoint: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["--checkpoint", str(checkpoint), "--batches", "0", "--omp-wait-policy", "inherit"])
+    with pytest.raises(SystemExit):
+        main(["--checkpoint", str(checkpoint), "--decode-steps", "0", "--omp-wait-policy", "inherit"])
+
+
+def test_cost_model_counts_weights_once(checkpoint: Path) -> None:
+    model = load_model(checkpoint)
+    cost = model_cost(model)
+    embedding = model.model.embeddings.weight
+    # The head is untied: a decode step reads every parameter but the embedding table.
+    assert cost.weight_bytes_per_step == (cost.params - embedding.numel()) * 4
+    assert cost.head_params == embedding.numel()
+    # Longer contexts cost more attention FLOPs and KV bytes, nothing else.
+    assert cost.decode_flops(200) > cost.decode_flops(100) > 2 * (cost.matmul_params + cost.head_params)
+    assert cost.decode_bytes(2, 100) - cost.decode_bytes(1, 100) > cost.decode_bytes(1, 101) - cost.decode_bytes(1, 100)
+
+
+def test_decode_contexts_are_mixed_around_the_target() -> None:
+    assert _decode_contexts(1, 128) == [128]
+    lens = _decode_contexts(32, 128)
+    assert len(set(lens)) > 8 and all(120 <= n <= 136 for n in lens)
+    assert abs(sum(lens) / len(lens) - 128) < 1
