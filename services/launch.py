@@ -168,6 +168,9 @@ class Launcher:
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONSAFEPATH"] = "1"
+    # OpenMP threads that spin while waiting make a step 10-30x slower whenever the cores are
+    # shared (several services on one machine); the user's own setting wins.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
 

@@ -8,38 +8,40 @@ from pathlib import Path
 from typing import Any
 
 from himamba.common.config import Config
+from himamba.common.host_pool import HostPools, open_host_pools
 from himamba.common.messages import (
+    Admit,
+    Admitted,
     CacheReset,
     CacheStep,
     CacheStepDone,
     GetCacheStats,
+    Ready,
     Shutdown,
     ToCache,
     TransfersDone,
     WorkerInfo,
 )
-from himamba.common.transport import Outbox
-from himamba.common.messages import Admit, Admitted, Ready
-from himamba.common.host_pool import HostPools, open_host_pools
 from himamba.common.metrics import (
     CACHE_BACKUP_BYTES,
     CACHE_BACKUP_OPS,
-    CACHE_PREFETCH_BYTES,
-    CACHE_PREFETCH_OPS,
-    CACHE_PREFETCH_TRUNCATIONS,
-    CACHE_STORAGE_ERRORS,
-    CACHE_TRANSFERS_IN_FLIGHT,
     CACHE_EVICTED_BYTES,
     CACHE_HIT_TOKENS,
     CACHE_KV_HIT_TOKENS,
     CACHE_MAMBA_STATE_HITS,
+    CACHE_PREFETCH_BYTES,
+    CACHE_PREFETCH_OPS,
+    CACHE_PREFETCH_TRUNCATIONS,
     CACHE_QUERY_TOKENS,
+    CACHE_STORAGE_ERRORS,
+    CACHE_TRANSFERS_IN_FLIGHT,
     POOL_CAPACITY_BYTES,
     POOL_EVICTABLE_BYTES,
     POOL_PROTECTED_BYTES,
     POOL_USED_BYTES,
 )
 from himamba.common.metrics_report import MetricsReporter, ServiceMetrics
+from himamba.common.transport import Outbox
 from himamba.services.actor import Actor
 from himamba.services.cache.controller import CacheController
 from himamba.services.cache.keys import model_fingerprint

@@ -681,6 +681,11 @@ def _print_table(
         "%FLOP/s: model FLOPs done per second over the matmul probe; %BW: bytes a decode step must read\n"
         "(weights, KV, state) per second over the copy probe.\n"
     )
+    if any(r.flops_fraction > 1.0 for r in rows):
+        out.write(
+            "Some %FLOP/s exceed 100%: the probe's square matmul is slower in this dtype than the model's\n"
+            "skinny ones (typical of bfloat16 on CPUs without native bfloat16 matmul).\n"
+        )
 
 
 def _int_list(text: str) -> list[int]:
