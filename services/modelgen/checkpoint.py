@@ -60,8 +60,9 @@ def make_checkpoint(arch: str, out_dir: Path, preset: str = "tiny", seed: int = 
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", generation_config(config))
     tensors = random_weights(specs, seed)
-    # The metadata marks the weights as random so a server can say so loudly.
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt", "himamba_random_weights": "true"})
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    # Marks the weights as random so a server can say so loudly.
+    _write_json(out_dir / "himamba.json", {"random_weights": True, "arch": arch, "preset": preset, "seed": seed})
     return out_dir
 
 

@@ -53,13 +53,9 @@ def read_eos_token_ids(model_dir: Path) -> list[int]:
 
 
 def _random_weights(model_dir: Path) -> bool:
-    """True for checkpoints made by `himamba make-model` (marked in the safetensors metadata)."""
-    from safetensors import safe_open
-
-    for path in sorted(model_dir.glob("*.safetensors"))[:1]:
-        with safe_open(str(path), framework="pt") as f:
-            return (f.metadata() or {}).get("himamba_random_weights") == "true"
-    return False
+    """True for checkpoints made by `himamba make-model` (they carry a himamba.json marker)."""
+    marker = model_dir / "himamba.json"
+    return marker.exists() and bool(json.loads(marker.read_text()).get("random_weights"))
 
 
 class WorkerService(Actor[ToWorker]):

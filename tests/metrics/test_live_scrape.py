@@ -51,6 +51,8 @@ def live(tmp_path_factory: pytest.TempPathFactory, start_live_server_fn: Any) ->
         str(DEVICE_TOKENS),
         "--max-context-len",
         str(DEVICE_TOKENS // 2),  # the pool must hold one request of the whole context
+        "--hicache-storage-backend",
+        "none",  # device and host pools only: this module watches their gauges
     )
     try:
         yield server

@@ -16,7 +16,7 @@ from himamba.services.worker.loader import load_model
 from tests.worker.harness import Harness
 
 ARCHS = ("nemotron_h", "granite_hybrid")
-FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"}
+FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "himamba.json"}
 
 
 @pytest.fixture(scope="module")

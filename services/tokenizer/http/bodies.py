@@ -8,11 +8,11 @@ ranges are checked by the same code that checks ZeroMQ requests.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 
-from himamba.common.types import SamplingParams
+from himamba.common.types import MAX_SAMPLES, SamplingParams
 from himamba.services.tokenizer.http.errors import ApiError
 
 
@@ -28,8 +28,7 @@ class _Body(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int | None = None
     temperature: float | None = None  # None: OpenAI's default 1.0
     top_p: float = 1.0
-    # Bounded here, before anything sized by n is built (a huge n must be a 400, not an allocation).
-    n: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
+    n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -79,7 +78,7 @@ def decode_body(raw: bytes, body_type: type[CompletionBody] | type[ChatBody]) ->
     if not isinstance(obj, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     try:
-        return msgspec.convert(obj, body_type), obj
+        body = msgspec.convert(obj, body_type)
     except msgspec.ValidationError as e:
         text = str(e)
         param = text.rsplit("`$.", 1)[1].rstrip("`") if "`$." in text else None
@@ -89,6 +88,10 @@ def decode_body(raw: bytes, body_type: type[CompletionBody] | type[ChatBody]) ->
         if text.startswith(missing):
             param = text[len(missing) :].split("`", 1)[0]
         raise ApiError(400, f"invalid request: {text}", param=param, code="invalid_type") from None
+    # Checked before anything sized by n is built: a huge n must be a 400, not an allocation.
+    if not 1 <= body.n <= MAX_SAMPLES:
+        raise ApiError(400, f"n must be in [1, {MAX_SAMPLES}], got {body.n}", param="n")
+    return body, obj
 
 
 def _check_common(body: _Body) -> None:
