@@ -26,7 +26,8 @@ KINDS = ("kv", "mamba")
 LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "tier": TIERS,
     "kind": KINDS,
-    "op": ("backup", "prefetch"),
+    "op": ("backup", "prefetch", "lookup"),
+    "event": ("unreachable", "reconnect", "refused_write", "corrupt"),
     "strategy": ("no_buffer", "extra_buffer", "extra_buffer_lazy"),
     "mode": ("prefill", "decode", "none"),
     "reason": ("stop", "length", "abort", "error"),
@@ -151,10 +152,11 @@ CACHE_PREFETCH_OPS = MetricDef(
 )
 CACHE_TRANSFERS_IN_FLIGHT = MetricDef(
     "himamba_cache_transfers_in_flight",
-    "Copy operations ordered and not yet acknowledged.",
+    "Copy operations ordered and not yet finished, by the lower tier they move to or from.",
     "gauge",
     "cache",
-    ("op",),
+    ("tier",),
+    label_values=_LOWER,
 )
 CACHE_PREFETCH_TRUNCATIONS = MetricDef(
     "himamba_cache_prefetch_truncations_total",
@@ -163,7 +165,26 @@ CACHE_PREFETCH_TRUNCATIONS = MetricDef(
     "cache",
 )
 CACHE_STORAGE_ERRORS = MetricDef(
-    "himamba_cache_storage_errors_total", "Failed storage (L3) reads and writes.", "counter", "cache", ("op",)
+    "himamba_cache_storage_errors_total",
+    "Storage (L3) backups, lookups and prefetches that ended in an error.",
+    "counter",
+    "cache",
+    ("op",),
+)
+CACHE_STORAGE_EVENTS = MetricDef(
+    "himamba_cache_storage_events_total",
+    "What the storage backend met: calls that could not reach the store (or were refused at once "
+    "while it is away), reconnections, writes the store refused (full, read-only), values that failed "
+    "verification (read as misses).",
+    "counter",
+    "cache",
+    ("event",),
+)
+CACHE_STORAGE_UP = MetricDef(
+    "himamba_cache_storage_up",
+    "Whether the storage backend is reachable: 1 yes; 0 while it is away (calls fail fast) or with no storage tier.",
+    "gauge",
+    "cache",
 )
 
 # ---------------------------------------------------------------- scheduler
@@ -276,6 +297,8 @@ ALL_METRICS: tuple[MetricDef, ...] = (
     CACHE_TRANSFERS_IN_FLIGHT,
     CACHE_PREFETCH_TRUNCATIONS,
     CACHE_STORAGE_ERRORS,
+    CACHE_STORAGE_EVENTS,
+    CACHE_STORAGE_UP,
     SCHEDULER_RUNNING,
     SCHEDULER_WAITING,
     SCHEDULER_QUEUE_TIME,

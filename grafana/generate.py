@@ -183,7 +183,12 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             ),
             Panel(
                 "Transfers in flight",
-                (Target(f"sum by (op) ({_sel(m.CACHE_TRANSFERS_IN_FLIGHT)})", "{{op}}"),),
+                (Target(f"sum by (tier) ({_sel(m.CACHE_TRANSFERS_IN_FLIGHT)})", "{{tier}}"),),
+                "short",
+            ),
+            Panel(
+                "Storage reachable (1 up, 0 away)",
+                (Target(f"min by (instance) ({_sel(m.CACHE_STORAGE_UP)})", "{{instance}}"),),
                 "short",
             ),
             Panel(
@@ -197,6 +202,7 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                     Target(_rate(m.CACHE_PREFETCH_TRUNCATIONS), "prefetch truncations"),
                     Target(_rate(m.SCHEDULER_LAZY_ALLOC_FAILURES), "lazy alloc failures"),
                     Target(_rate(m.CACHE_STORAGE_ERRORS, by="op"), "storage errors ({{op}})"),
+                    Target(_rate(m.CACHE_STORAGE_EVENTS, by="event"), "storage {{event}}"),
                     Target(_rate(m.SCHEDULER_RETRACTIONS), "retractions"),
                 ),
                 "ops",

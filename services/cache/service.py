@@ -34,6 +34,8 @@ from himamba.common.metrics import (
     CACHE_PREFETCH_TRUNCATIONS,
     CACHE_QUERY_TOKENS,
     CACHE_STORAGE_ERRORS,
+    CACHE_STORAGE_EVENTS,
+    CACHE_STORAGE_UP,
     CACHE_TRANSFERS_IN_FLIGHT,
     POOL_CAPACITY_BYTES,
     POOL_EVICTABLE_BYTES,
@@ -48,6 +50,14 @@ from himamba.services.cache.keys import model_fingerprint
 from himamba.services.cache.storage.factory import open_configured_backend
 from himamba.services.cache.storage.flaky import FlakyBackend
 from himamba.services.cache.storage.io_workers import StorageIO
+
+# The backend's own counters (StorageStats fields) behind each storage event label.
+_BACKEND_EVENTS = {
+    "unreachable": "num_errors",
+    "reconnect": "num_reconnects",
+    "refused_write": "num_refused_writes",
+    "corrupt": "num_corrupt",
+}
 
 
 class CacheService(Actor[ToCache]):
@@ -107,11 +117,14 @@ class CacheService(Actor[ToCache]):
         m[CACHE_EVICTED_BYTES].labels(tier="device", kind="kv").inc((pages - self._evicted_seen[0]) * self._page_bytes)
         m[CACHE_EVICTED_BYTES].labels(tier="device", kind="mamba").inc((states - self._evicted_seen[1]) * self._slot_bytes)
         self._evicted_seen = (pages, states)
-        m[CACHE_TRANSFERS_IN_FLIGHT].labels(op="host").set(len(self.ctrl.pending))
+        m[CACHE_TRANSFERS_IN_FLIGHT].labels(tier="host").set(len(self.ctrl.pending))
         tier = self.ctrl.storage
-        if tier is None:
+        if tier is None or self._io is None:
+            m[CACHE_STORAGE_UP].set(0)
             return
         c = tier.counters
+        backend = self._io.backend.stats()
+        m[CACHE_STORAGE_UP].set(1 if backend.reachable else 0)
         now = {
             "backup_bytes": c.backup_bytes,
             "backup_ops": c.backup_ops,
@@ -119,6 +132,7 @@ class CacheService(Actor[ToCache]):
             "prefetch_ops": c.prefetch_ops,
             "truncations": c.truncations,
             **{f"err_{op}": n for op, n in c.errors.items()},
+            **{f"event_{event}": getattr(backend, field) for event, field in _BACKEND_EVENTS.items()},
         }
 
         def delta(name: str) -> int:
@@ -132,9 +146,10 @@ class CacheService(Actor[ToCache]):
         m[CACHE_PREFETCH_TRUNCATIONS].inc(delta("truncations"))
         for op in c.errors:
             m[CACHE_STORAGE_ERRORS].labels(op=op).inc(delta(f"err_{op}"))
-        assert self._io is not None
+        for event in _BACKEND_EVENTS:
+            m[CACHE_STORAGE_EVENTS].labels(event=event).inc(delta(f"event_{event}"))
         io = self._io.stats()
-        m[CACHE_TRANSFERS_IN_FLIGHT].labels(op="storage").set(io.num_queued + io.num_running)
+        m[CACHE_TRANSFERS_IN_FLIGHT].labels(tier="storage").set(io.num_queued + io.num_running)
         self._storage_seen = now
 
     def _count_admission(self, op: Admit, res: Admitted) -> None:

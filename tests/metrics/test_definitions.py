@@ -28,7 +28,8 @@ from himamba.common.transport import Outbox
 
 # The unit (or counted thing) each name ends with, before `_total`.
 UNITS = {"bytes", "seconds", "tokens", "requests", "ops", "hits", "slots", "in_flight", "truncations",
-         "failures", "errors", "retractions", "responses", "finished"}  # fmt: skip
+         "failures", "errors", "retractions", "responses", "finished", "events",
+         "up"}  # fmt: skip  (`up`: Prometheus' name for a 1/0 reachability gauge)
 
 
 @pytest.mark.parametrize("defn", ALL_METRICS, ids=lambda d: d.name)

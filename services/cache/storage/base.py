@@ -158,6 +158,7 @@ class StorageStats(msgspec.Struct, frozen=True, kw_only=True):
     num_reconnects: int = 0  # times the store came back after being unreachable
     used_bytes: int = 0  # bytes this backend believes it holds; 0 when it cannot know
     capacity_bytes: int = 0  # 0: no cap
+    reachable: bool = True  # False while a remote store is considered away (calls fail fast)
 
 
 class StorageCounters:
@@ -172,7 +173,7 @@ class StorageCounters:
             for name, delta in deltas.items():
                 self._values[name] += delta
 
-    def snapshot(self, **overrides: int) -> StorageStats:
+    def snapshot(self, **overrides: int | bool) -> StorageStats:
         with self._lock:
             values = dict(self._values)
         values.update(overrides)

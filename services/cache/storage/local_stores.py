@@ -240,17 +240,25 @@ class LocalMooncake:
         _wait("mooncake_client's segment", self._mounted, [self.master, self.client], timeout_s)
         return self
 
-    def capacity_bytes(self) -> int:
-        """What the master reports as mounted (0 when it cannot be asked)."""
+    def master_metrics(self) -> dict[str, float]:
+        """The master's unlabelled Prometheus series, e.g. `master_allocated_bytes`,
+        `master_evicted_key_count`, `master_put_start_alloc_failures_total` (empty when it cannot
+        be asked)."""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=1.0) as r:
                 text = r.read().decode()
         except OSError:
-            return 0
+            return {}
+        out = {}
         for line in text.splitlines():
-            if line.startswith("master_total_capacity_bytes "):
-                return int(float(line.split()[1]))
-        return 0
+            name, _, value = line.partition(" ")
+            if value and not line.startswith("#") and "{" not in name:
+                out[name] = float(value)
+        return out
+
+    def capacity_bytes(self) -> int:
+        """What the master reports as mounted (0 when it cannot be asked)."""
+        return int(self.master_metrics().get("master_total_capacity_bytes", 0))
 
     def _mounted(self) -> bool:
         return self.capacity_bytes() >= self.segment_bytes

@@ -41,6 +41,7 @@ from himamba.services.cache.storage.base import (
     HEADER_BYTES,
     Buffer,
     StorageBackend,
+    StorageStats,
     ValueKind,
     check_batch,
 )
@@ -308,6 +309,9 @@ class MooncakeBackend(StorageBackend):
         self._check_open()
         check_batch([key], [blob], "blob")
         return self._set_many([key], [blob], ValueKind.STATE, 0)[0]
+
+    def stats(self) -> StorageStats:
+        return self.counters.snapshot(reachable=self.link.reachable())
 
     def close(self) -> None:
         with self._lock:

@@ -117,6 +117,10 @@ class StoreLink:
         self.counters = counters
         self.gate = gate
 
+    def reachable(self) -> bool:
+        """False while the store is considered away (between a failure and a successful probe)."""
+        return not self.gate.state().is_open
+
     def admit(self) -> bool:
         """Whether to call the store now; a refused call is counted as an error."""
         if self.gate.admit():

@@ -34,6 +34,7 @@ from redis.retry import Retry
 from himamba.services.cache.storage.base import (
     Buffer,
     StorageBackend,
+    StorageStats,
     ValueKind,
     check_batch,
 )
@@ -149,6 +150,9 @@ class RedisBackend(StorageBackend):
         self._check_open()
         check_batch([key], [blob], "blob")
         return self._set_many([key], [blob], ValueKind.STATE, 0)[0]
+
+    def stats(self) -> StorageStats:
+        return self.counters.snapshot(reachable=self.link.reachable())
 
     def close(self) -> None:
         with self._lock:

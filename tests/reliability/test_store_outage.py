@@ -1,0 +1,147 @@
+"""A distributed store (Redis, Mooncake Store) that dies mid-load and comes back, and one that is
+full: requests keep completing with exactly the no-cache greedy tokens (as misses while the store
+is away), the outage is counted in /metrics, hits resume after the store returns without
+restarting himamba, a full store only costs hits, and nothing leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from himamba.services.bench.servers import start_server
+from himamba.services.cache.storage.local_stores import LocalMooncake
+
+from tests.reliability.conftest import free_port
+from tests.reliability.pools import assert_nothing_leaked, wait_drained
+from tests.reliability.prompts import Prompt
+from tests.reliability.store_servers import (
+    SMALL_TIERS,
+    STORE_KINDS,
+    Conversations,
+    kill_store,
+    run_prompts,
+    scrape_storage,
+    start_store,
+    storage_hits,
+    wait_backups_settled,
+    wait_metrics,
+)
+
+
+def _check(outs, prompts: list[Prompt], reference_tokens) -> None:  # type: ignore[no-untyped-def]
+    want = reference_tokens([(p.input_ids, p.max_tokens) for p in prompts])
+    assert [o.token_ids for o in outs] == want
+
+
+def _two_turns(endpoint: str, port: int, convs: Conversations, reference_tokens) -> int:  # type: ignore[no-untyped-def]
+    """A first turn, its backups, then a second turn; returns the second turn's storage tokens."""
+    first = convs.turn()
+    outs = asyncio.run(run_prompts(endpoint, first))
+    _check(outs, first, reference_tokens)
+    convs.answered(outs)
+    wait_backups_settled(port)
+    second = convs.turn()
+    outs = asyncio.run(run_prompts(endpoint, second))
+    _check(outs, second, reference_tokens)
+    convs.answered(outs)
+    return storage_hits(outs)
+
+
+@pytest.mark.parametrize("kind", STORE_KINDS)
+def test_store_killed_mid_load_then_back(
+    kind, tiny_model, server_logs, reference_tokens, tmp_path
+):
+    store, flags = start_store(kind, tmp_path / kind)
+    port = free_port()
+    server = start_server(
+        tiny_model, server_logs, *SMALL_TIERS, *flags, "--port", str(port)
+    )
+    try:
+        # The store serves: turns that no longer fit the device and host tiers come back from it.
+        before = _two_turns(
+            server.endpoint, port, Conversations(12, seed=1), reference_tokens
+        )
+        assert before > 0, "no storage hit while the store was up"
+        assert scrape_storage(port).up == 1
+
+        # Killed under load: every request completes, with the no-cache tokens.
+        busy = Conversations(12, seed=2)
+        load = busy.turn()
+
+        async def killed_mid_load():  # type: ignore[no-untyped-def]
+            task = asyncio.get_running_loop().create_task(
+                run_prompts(server.endpoint, load)
+            )
+            await asyncio.sleep(0.5)
+            kill_store(store)
+            return await task
+
+        _check(asyncio.run(killed_mid_load()), load, reference_tokens)
+        # While it is away: misses, counted as unreachable in /metrics, the store reported down.
+        away = Conversations(6, seed=3)
+        assert _two_turns(server.endpoint, port, away, reference_tokens) == 0
+        series = wait_metrics(
+            port,
+            lambda s: s.events.get("unreachable", 0) > 0 and s.up == 0,
+            "store unreachable",
+        )
+        assert series.events["unreachable"] > 0
+
+        # Back on the same address (empty): without a restart of himamba, hits resume.
+        store.start()
+        deadline = time.monotonic() + 120
+        seed, after = 10, 0
+        while after == 0 and time.monotonic() < deadline:
+            after = _two_turns(
+                server.endpoint, port, Conversations(12, seed=seed), reference_tokens
+            )
+            seed += 1
+        assert after > 0, "storage hits did not resume after the store came back"
+        series = wait_metrics(
+            port,
+            lambda s: s.up == 1 and s.events.get("reconnect", 0) >= 1,
+            "store reconnected",
+        )
+        assert server.proc.poll() is None
+        assert_nothing_leaked(wait_drained(server))
+    finally:
+        server.stop()
+        store.stop()
+
+
+def _was_full(store, port: int) -> bool:  # type: ignore[no-untyped-def]
+    """Redis (noeviction) refused writes; Mooncake evicted or refused an allocation."""
+    if isinstance(store, LocalMooncake):
+        m = store.master_metrics()
+        return (
+            m.get("master_evicted_key_count", 0) > 0
+            or m.get("master_put_start_alloc_failures_total", 0) > 0
+        )
+    return scrape_storage(port).events.get("refused_write", 0) > 0
+
+
+@pytest.mark.parametrize("kind", STORE_KINDS)
+def test_full_store_costs_hits_not_answers(
+    kind, tiny_model, server_logs, reference_tokens, tmp_path
+):
+    store, flags = start_store(kind, tmp_path / kind, small=True)
+    port = free_port()
+    server = start_server(
+        tiny_model, server_logs, *SMALL_TIERS, *flags, "--port", str(port)
+    )
+    try:
+        hits = []
+        for round_ in range(8):  # until the store has been full (bounded)
+            convs = Conversations(16, seed=20 + round_, first=400)
+            hits.append(_two_turns(server.endpoint, port, convs, reference_tokens))
+            if _was_full(store, port):
+                break
+        assert _was_full(store, port), f"the store never filled: {scrape_storage(port)}"
+        assert sum(hits) > 0, "no storage hit at all"
+        assert scrape_storage(port).up == 1
+        assert server.proc.poll() is None
+        assert_nothing_leaked(wait_drained(server))
+    finally:
+        server.stop()
+        store.stop()
