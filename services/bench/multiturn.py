@@ -36,12 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from himamba.common.client import AsyncClient
+from himamba.common.machine_info import describe_machine
+from himamba.common.progress import Progress
+from himamba.common.report_files import write_json
 from himamba.services.bench.arrivals import Arrivals
 from himamba.services.bench.latency_summary import RunSummary, add_ratios_vs_none, summarize
-from himamba.services.bench.machine import describe_machine, describe_model
+from himamba.services.bench.model_info import describe_model
 from himamba.services.bench.multiturn_driver import run_multiturn
-from himamba.services.bench.multiturn_report import format_tables, goal_lines, plot, write_json
-from himamba.services.bench.progress import Progress
+from himamba.services.bench.multiturn_report import format_tables, goal_lines, plot
 from himamba.services.bench.servers import ServerProcess, himamba_command, start_server
 from himamba.services.bench.workload import WorkloadSpec, ordinary_token_ids
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
 
+from himamba.common.report_files import PlotOutcome, no_matplotlib, open_pyplot, save_figure
 from himamba.services.bench.latency_summary import RunSummary
 
 
@@ -86,26 +85,12 @@ def goal_lines(rows: Sequence[RunSummary], min_context: int = 2048) -> list[str]
     return out
 
 
-def write_json(path: Path, payload: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
-
-
-class PlotOutcome(NamedTuple):
-    written: bool
-    note: str  # why not, when not written
-
-
 def plot(path: Path, rows: Sequence[RunSummary], title: str) -> PlotOutcome:
     """TTFT and throughput per configuration: against the request rate when several rates were
     run (a sweep), else as bars. Needs matplotlib (the `bench` extra)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return PlotOutcome(False, "matplotlib is not installed (pip install 'himamba[bench]'): wrote JSON only")
+    plt = open_pyplot()
+    if plt is None:
+        return no_matplotlib()
     configs = list(dict.fromkeys(r.config for r in rows))
     rates = sorted({r.request_rate for r in rows})
     fig, (ax_ttft, ax_tput) = plt.subplots(1, 2, figsize=(12, 4.8))
@@ -145,12 +130,7 @@ def plot(path: Path, rows: Sequence[RunSummary], title: str) -> PlotOutcome:
     for ax in (ax_ttft, ax_tput):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return PlotOutcome(True, "")
+    return save_figure(plt, fig, path, title)
 
 
 def _ms_or_nan(v: float | None) -> float:

@@ -5,6 +5,8 @@ requests and samples the cache controller's pools: the peak number of running re
 the state slots they hold (working + track + checkpoints). Then it runs the same multi-turn
 conversations against each strategy and reports the cached-token ratio (the generated text of
 a turn is only reusable with a track buffer). Prints a table; the last line is one JSON object.
+Writes <out>/scheduler.json (the machine, the model, the workload and everything printed) and
+<out>/scheduler.png (needs matplotlib: `pip install 'himamba[bench]'`).
 """
 
 from __future__ import annotations
@@ -12,21 +14,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from himamba.common.client import AsyncClient
+from himamba.common.machine_info import describe_machine
+from himamba.common.progress import Progress
+from himamba.common.report_files import write_json
+from himamba.services.bench.model_info import describe_model
+from himamba.services.bench.scheduler_report import StrategyRow, compare, format_table, plot, summary_line
 from himamba.services.bench.servers import ServerProcess, start_server
 
 STRATEGIES = ("extra_buffer", "extra_buffer_lazy", "no_buffer")
+# Each conversation turn adds this many new tokens and generates this many.
+_TURN_NEW, _TURN_GEN = 48, 24
+# start_server's default, stated on the machine line.
+_TORCH_THREADS = 1
 
 
-def _progress(msg: str) -> None:
+def _log(msg: str) -> None:
     print(f"[bench scheduler] {msg}", file=sys.stderr, flush=True)
 
 
@@ -57,14 +68,19 @@ class _Sampler(threading.Thread):
             time.sleep(0.02)
 
 
-async def _flood(endpoint: str, n: int, prompt_len: int, gen: int, vocab: int) -> None:
+async def _flood(endpoint: str, n: int, prompt_len: int, gen: int, vocab: int, progress: Progress) -> None:
     async with AsyncClient(endpoint) as c:
-        await asyncio.gather(
-            *(c.generate(input_ids=_tokens(prompt_len, 10_000 + i, vocab), max_tokens=gen, ignore_eos=True) for i in range(n))
-        )
+
+        async def one(i: int) -> None:
+            await c.generate(input_ids=_tokens(prompt_len, 10_000 + i, vocab), max_tokens=gen, ignore_eos=True)
+            progress.update()
+
+        await asyncio.gather(*(one(i) for i in range(n)))
 
 
-async def _conversations(endpoint: str, clients: int, turns: int, new: int, gen: int, vocab: int) -> tuple[int, int, int]:
+async def _conversations(
+    endpoint: str, clients: int, turns: int, new: int, gen: int, vocab: int, progress: Progress
+) -> tuple[int, int, int]:
     """Round-robin multi-turn traffic; returns (prompt tokens, cached tokens, ideal cached tokens)."""
     histories = {k: [] for k in range(clients)}
     prompt = cached = ideal = 0
@@ -78,10 +94,12 @@ async def _conversations(endpoint: str, clients: int, turns: int, new: int, gen:
                 cached += out.usage.cached_tokens.total
                 ideal += prev
                 histories[k] = histories[k] + out.token_ids
+                progress.update()
     return prompt, cached, ideal
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of `himamba bench scheduler`; returns the exit status."""
     p = argparse.ArgumentParser(prog="himamba bench scheduler", description=__doc__)
     p.add_argument("--model", default="", help="checkpoint dir (default: a tiny random NemotronH built in a temp dir)")
     p.add_argument("--mamba-slots", type=int, default=40, help="device state pool size (fixed for every strategy)")
@@ -92,39 +110,54 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--out", default="himamba-bench-scheduler", help="folder for scheduler.json and scheduler.png")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    strategies = [t.strip() for t in args.strategies.split(",") if t.strip()]
 
     work = Path(tempfile.mkdtemp(prefix="himamba-bench-"))
     model = args.model
     if not model:
         from himamba.services.modelgen.checkpoint import make_checkpoint
 
-        _progress("building a tiny random-weight NemotronH checkpoint")
+        _log("building a tiny random-weight NemotronH checkpoint")
         model = str(make_checkpoint("nemotron_h", work / "model", preset="tiny"))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    rows = []
-    for strategy in args.strategies.split(","):
-        _progress(f"{strategy}: starting a server")
-        server = start_server(
-            model, work / "logs",
-            "--mamba-scheduler-strategy", strategy, "--mamba-track-interval", str(args.track_interval),
-            "--max-mamba-cache-size", str(args.mamba_slots), "--max-running-requests", str(args.requests),
-            "--max-total-tokens", "65536",
-        )
+    machine = describe_machine(_TORCH_THREADS, "cpu")
+    model_info = describe_model(model, "" if args.model else "tiny", "float32")
+    out_dir = Path(args.out)
+    printed = [
+        machine.line(),
+        model_info.line(),
+        f"fixed device state pool: {args.mamba_slots} slots; flood {args.requests} x (prompt {args.prompt_len}, "
+        f"gen {args.gen}); {args.clients} clients x {args.turns} turns (+{_TURN_NEW} tokens, gen {_TURN_GEN} each)",
+    ]
+    for line in printed:
+        print(line, flush=True)
+    server_flags = [
+        "--mamba-track-interval", str(args.track_interval),
+        "--max-mamba-cache-size", str(args.mamba_slots),
+        "--max-running-requests", str(args.requests),
+        "--max-total-tokens", "65536",
+    ]  # fmt: skip
+    rows: list[StrategyRow] = []
+    for strategy in strategies:
+        _log(f"{strategy}: starting a server")
+        server = start_server(model, work / "logs", "--mamba-scheduler-strategy", strategy, *server_flags)
+        progress = Progress(args.requests + args.clients * args.turns, strategy, enabled=not args.no_progress)
         try:
-            _progress(f"{strategy}: {args.requests} concurrent requests")
             sampler = _Sampler(server)
             sampler.start()
             t0 = time.perf_counter()
-            asyncio.run(_flood(server.endpoint, args.requests, args.prompt_len, args.gen, vocab))
+            asyncio.run(_flood(server.endpoint, args.requests, args.prompt_len, args.gen, vocab, progress))
             flood_s = time.perf_counter() - t0
             sampler.stop_flag.set()
             sampler.join()
-            _progress(f"{strategy}: multi-turn conversations")
-            prompt, cached, ideal = asyncio.run(_conversations(server.endpoint, args.clients, args.turns, 48, 24, vocab))
+            turns = _conversations(server.endpoint, args.clients, args.turns, _TURN_NEW, _TURN_GEN, vocab, progress)
+            prompt, cached, ideal = asyncio.run(turns)
             stats = server.cache_stats()
             rows.append(
-                dict(
+                StrategyRow(
                     strategy=strategy,
                     peak_running=sampler.peak_running,
                     peak_held_slots=sampler.peak_held_slots,
@@ -136,21 +169,41 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
         finally:
+            progress.close()
             server.stop()
-    print(f"machine: {os.cpu_count()} cores, torch threads 1 per server, device cpu; model {model}")
-    print(f"fixed device state pool: {args.mamba_slots} slots; flood {args.requests} x (prompt {args.prompt_len}, gen {args.gen})")
-    head = f"{'strategy':<18} {'peak running':>12} {'held slots':>10} {'slots/req':>9} {'tok/s':>8} {'cached':>7} {'ideal':>6}"
-    print(head)
-    for r in rows:
-        print(
-            f"{r['strategy']:<18} {r['peak_running']:>12} {r['peak_held_slots']:>10} {r['slots_per_running']:>9} "
-            f"{r['flood_tokens_per_s']:>8} {r['cached_ratio']:>7} {r['ideal_ratio']:>6}"
-        )
-    by = {r["strategy"]: r for r in rows}
-    summary: dict[str, object] = {"rows": rows}
-    if "extra_buffer" in by and "extra_buffer_lazy" in by:
-        ratio = by["extra_buffer_lazy"]["peak_running"] / max(by["extra_buffer"]["peak_running"], 1)
-        summary["lazy_vs_extra_concurrency"] = round(ratio, 2)
-        print(f"lazy / extra_buffer peak concurrency: {ratio:.2f}x (3 slots per request vs 2 -> ~1.5x expected)")
+    comparison = compare(rows)
+    table = format_table(rows, comparison)
+    for line in table:
+        print(line)
+    summary = summary_line(rows, comparison)
+    title = f"himamba bench scheduler\n{machine.line()}\n{model_info.line()}"
+    outcome = plot(out_dir / "scheduler.png", rows, title)
+    notes = [] if outcome.written else [outcome.note]
+    for note in notes:
+        print(f"note: {note}")
+    payload: dict[str, Any] = {
+        "benchmark": "scheduler",
+        "machine": machine._asdict(),
+        "model": model_info._asdict(),
+        "workload": {
+            "mamba_slots": args.mamba_slots,
+            "flood_requests": args.requests,
+            "prompt_len": args.prompt_len,
+            "gen": args.gen,
+            "track_interval": args.track_interval,
+            "clients": args.clients,
+            "turns": args.turns,
+            "turn_new_tokens": _TURN_NEW,
+            "turn_gen_tokens": _TURN_GEN,
+            "strategies": strategies,
+        },
+        "server_args": server_flags,
+        "printed": [*printed, *table],
+        "results": summary,
+        "plot": "scheduler.png" if outcome.written else None,
+        "notes": notes,
+    }
+    write_json(out_dir / "scheduler.json", payload)
+    print(f"wrote {out_dir / 'scheduler.json'}" + (f" and {out_dir / 'scheduler.png'}" if outcome.written else ""))
     print(json.dumps(summary))
     return 0

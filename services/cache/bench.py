@@ -5,7 +5,8 @@ the tree (match, lock, load back, allocate with eviction, insert, unlock), and e
 acknowledged at once. Prints throughput, per-operation latency, the cached-token ratio per tier
 against the ideal ratio, peak traced memory, and one JSON object as the last line. With `storage`
 in `--tiers` it also measures the storage backend's read/write MB/s on a scratch store, beside
-this machine's sequential disk and memcpy bandwidth.
+this machine's sequential disk and memcpy bandwidth. Writes <out>/cache.json (the machine, the
+workload and everything printed) and <out>/cache.png (needs matplotlib: `pip install 'himamba[bench]'`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from himamba.common.machine_info import describe_machine
+from himamba.common.progress import Progress
 from himamba.services.cache.allocator import PageAllocator, SlotAllocator
+from himamba.services.cache.bench_report import Transcript, workload, workload_line, write_report
 from himamba.services.cache.eviction import EVICTION_POLICIES
 from himamba.services.cache.radix_tree import WRITE_POLICIES, BackupOp, RadixTree
 from himamba.services.cache.storage.bandwidth import (
@@ -252,6 +256,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--storage-url", default="", help="redis:// URL or the Mooncake master's host:port")
     p.add_argument("--storage-pages", type=int, default=512, help="pages written then read by the probe")
     p.add_argument("--storage-page-kib", type=int, default=64, help="bytes per stored page, KiB")
+    p.add_argument("--out", default="himamba-bench-cache", help="folder for cache.json and cache.png")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     tiers = [t.strip() for t in args.tiers.split(",") if t.strip()] or ["device"] + (["host"] if args.host_ratio else [])
     if not tiers or any(t not in ("device", "host", "storage") for t in tiers) or "device" not in tiers:
@@ -298,10 +304,21 @@ def storage_bandwidth(args: argparse.Namespace) -> dict[str, float | str]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `himamba bench cache`; returns the exit status."""
     args = parse_args(argv)
+    # No torch here: the line still states cores and torch's threads, as every bench figure does.
+    machine = describe_machine(0, "cpu")
+    work = workload(args)
+    out = Transcript()
+    out(machine.line())
+    out(workload_line(work))
     trace = build_trace(args.clients, args.turns, args.first, args.each, args.gen, args.page_size, args.seed)
+    steps = args.repeat + (0 if args.no_memory else 1) + ("storage" in args.tiers)
+    progress = Progress(steps, "bench cache", enabled=not args.no_progress, unit="pass", units="passes")
     # Each pass starts from an empty cache and is identical; timings of all passes are pooled and
     # requests/s is the median pass (timings on a shared 2-core machine vary several-fold).
-    passes = [run(trace, args, timed=True) for _ in range(args.repeat)]
+    passes = []
+    for _ in range(args.repeat):
+        passes.append(run(trace, args, timed=True))
+        progress.update()
     for _, tree in passes:
         tree.check_invariants()
     stats = passes[0][0]
@@ -315,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         run(trace, args, timed=False)
         peak_mib = tracemalloc.get_traced_memory()[1] / 2**20
         tracemalloc.stop()
+        progress.update()
+    bw = storage_bandwidth(args) if "storage" in args.tiers else None
+    progress.close()
 
     n = len(trace.requests)
     rps = n / statistics.median(walls)
@@ -324,16 +344,16 @@ def main(argv: list[str] | None = None) -> int:
     host_ratio = stats.host_tokens / total
     ideal_ratio = stats.ideal_tokens / total
     pools = make_pools(args, trace.unique_tokens)
-    print(
+    out(
         f"trace: {args.clients} clients x {args.turns} turns, {n} requests, {stats.prompt_tokens} prompt tokens, "
         f"{trace.unique_tokens} unique tokens, page {args.page_size}"
     )
-    print(
+    out(
         f"pools: device {pools.device_kv.capacity} pages / {args.mamba_slots} states, host "
         + (f"{pools.host_kv.capacity} pages / {pools.host_state.capacity} states" if pools.host_kv and pools.host_state else "none")
         + f"; policy {args.policy}, {args.write_policy}"
     )
-    print(
+    out(
         f"throughput: {rps:,.0f} requests/s (median of {len(walls)} passes, best {best_rps:,.0f}; "
         f"{statistics.median(walls) * 1000:.1f} ms per pass)"
     )
@@ -345,17 +365,16 @@ def main(argv: list[str] | None = None) -> int:
         ("load-back", stats.load_ns),
     ):
         med, mean = _us(ns)
-        print(f"  {name:<9} n={len(ns):>6}  median {med:8.2f} us  mean {mean:8.2f} us")
-    print(
+        out(f"  {name:<9} n={len(ns):>6}  median {med:8.2f} us  mean {mean:8.2f} us")
+    out(
         f"cached ratio: {device_ratio + host_ratio:.4f} (device {device_ratio:.4f}, host {host_ratio:.4f}) "
         f"vs ideal {ideal_ratio:.4f}; load-back failures {stats.load_failures}, skipped inserts "
         f"{stats.skipped_inserts}, inserts without a state {stats.stateless_inserts}, backups {stats.num_backups}"
     )
     if peak_mib is not None:
-        print(f"peak traced memory: {peak_mib:.1f} MiB")
-    bw = storage_bandwidth(args) if "storage" in args.tiers else None
+        out(f"peak traced memory: {peak_mib:.1f} MiB")
     if bw is not None:
-        print(
+        out(
             f"storage ({bw['backend']}, {args.storage_pages} pages x {args.storage_page_kib} KiB): "
             f"write {bw['write_mb_s']:,.0f} MB/s, read {bw['read_mb_s']:,.0f} MB/s; machine: disk write+fsync "
             f"{bw['disk_write_fsync_mb_s']:,.0f} MB/s, disk read {bw['disk_read_mb_s']:,.0f} MB/s, "
@@ -392,5 +411,10 @@ def main(argv: list[str] | None = None) -> int:
         med, mean = _us(ns)
         result[f"{name}_us_median"] = round(med, 2)
         result[f"{name}_us_mean"] = round(mean, 2)
+    pass_rps = [n / pass_stats.wall_s for pass_stats, _ in passes]
+    written = write_report(Path(args.out), machine, work, out.lines, result, pass_rps)
+    if written.png_path is None:
+        print(f"note: {written.plot.note}")
+    print(f"wrote {written.json_path}" + (f" and {written.png_path}" if written.png_path else ""))
     print(json.dumps(result))
     return 0

@@ -8,12 +8,14 @@ from typing import Any
 
 
 class Progress:
-    """Counts finished requests of one run. `grow(-n)` shrinks the total (requests that will
-    never be sent, e.g. the later rounds of a conversation whose request failed)."""
+    """Counts finished steps of one run (requests by default; `unit`/`units` name them).
+    `grow(-n)` shrinks the total (requests that will never be sent, e.g. the later rounds of a
+    conversation whose request failed)."""
 
-    def __init__(self, total: int, desc: str, enabled: bool = True):
+    def __init__(self, total: int, desc: str, enabled: bool = True, unit: str = "req", units: str = "requests"):
         self.total = total
         self.desc = desc
+        self.units = units
         self.n = 0
         self._bar: Any = None
         self._enabled = enabled
@@ -24,7 +26,7 @@ class Progress:
             from tqdm import tqdm
         except ImportError:
             return
-        self._bar = tqdm(total=total, desc=desc, file=sys.stderr, unit="req", dynamic_ncols=True)
+        self._bar = tqdm(total=total, desc=desc, file=sys.stderr, unit=unit, dynamic_ncols=True)
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -35,7 +37,7 @@ class Progress:
             # At most a few lines a second: the counter must not cost the run it measures.
             if now - self._last_print > 0.5 or self.n >= self.total:
                 self._last_print = now
-                print(f"\r{self.desc}: {self.n}/{self.total} requests", end="", file=sys.stderr, flush=True)
+                print(f"\r{self.desc}: {self.n}/{self.total} {self.units}", end="", file=sys.stderr, flush=True)
 
     def grow(self, delta: int) -> None:
         self.total += delta

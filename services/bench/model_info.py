@@ -1,31 +1,15 @@
-"""What a benchmark figure ran on: the machine and the model configuration."""
+"""What model a benchmark figure ran on (the machine: `himamba.common.machine_info`)."""
 
 from __future__ import annotations
 
 import json
-import os
-import platform
 from pathlib import Path
 from typing import Any, NamedTuple
 
 
-class MachineInfo(NamedTuple):
-    cores: int
-    torch_threads: int  # per server worker, as resolved (0 on the command line = torch's default)
-    device: str
-    cpu_model: str
-    gpu_model: str
-    torch_version: str
-
-    def line(self) -> str:
-        gpu = f", {self.gpu_model}" if self.gpu_model else ""
-        return (
-            f"machine: {self.cores} cores ({self.cpu_model}), torch {self.torch_version} with {self.torch_threads} "
-            f"thread(s) per worker, device {self.device}{gpu}"
-        )
-
-
 class ModelInfo(NamedTuple):
+    """The checkpoint a figure was measured on; `line()` is how a benchmark states it."""
+
     path: str
     architecture: str
     preset: str  # "" for a user checkpoint
@@ -41,34 +25,6 @@ class ModelInfo(NamedTuple):
             f"model: {self.architecture},{preset} hidden {self.hidden_size}, layers {self.layers} "
             f"({len(self.layers)}), vocab {self.vocab_size}, {self.dtype}; {self.path}"
         )
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def describe_machine(torch_threads: int, device: str) -> MachineInfo:
-    """`torch_threads` as given to the server (0: torch's default on this machine)."""
-    import torch  # only to resolve the default thread count and name the GPU
-
-    threads = torch_threads or torch.get_num_threads()
-    gpu = ""
-    if device == "cuda" and torch.cuda.is_available():
-        gpu = torch.cuda.get_device_name(0)
-    return MachineInfo(
-        cores=os.cpu_count() or 0,
-        torch_threads=threads,
-        device=device,
-        cpu_model=_cpu_model(),
-        gpu_model=gpu,
-        torch_version=torch.__version__,
-    )
 
 
 _LAYER_LETTERS = {
