@@ -34,6 +34,7 @@ from himamba.services.cache.storage.bandwidth import (
     measure_storage_bandwidth,
 )
 from himamba.services.cache.storage.factory import open_backend
+from himamba.services.cache.storage.local_stores import start_local_store
 
 VOCAB_SIZE = 32000
 
@@ -285,19 +286,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def storage_bandwidth(args: argparse.Namespace) -> dict[str, float | str]:
-    """The backend's write/read MB/s on a scratch store, and the machine's disk and memcpy."""
+    """The backend's write/read MB/s on a scratch store, and the machine's disk and memcpy. A
+    remote backend without `--storage-url` gets a store started here on 127.0.0.1 (redis-server,
+    or mooncake_master + mooncake_client), stopped by PID afterwards."""
     with tempfile.TemporaryDirectory(prefix="himamba-bench-storage-") as tmp:
         directory = Path(args.storage_dir) if args.storage_dir else Path(tmp)
-        backend = open_backend(args.backend, os.urandom(32), directory=directory, url=args.storage_url)
-        assert backend is not None
+        url, metadata, store = args.storage_url, "", None
+        if args.backend != "file" and not url:
+            store = start_local_store(args.backend, Path(tmp) / "store")
+            url, metadata = store.address, store.metadata
         try:
-            got: dict[str, float | str] = dict(
-                measure_storage_bandwidth(backend, args.storage_page_kib * 1024, args.storage_pages)
+            backend = open_backend(
+                args.backend, os.urandom(32), directory=directory, url=url, mooncake_metadata_server=metadata
             )
+            assert backend is not None
+            try:
+                got: dict[str, float | str] = dict(
+                    measure_storage_bandwidth(backend, args.storage_page_kib * 1024, args.storage_pages)
+                )
+            finally:
+                backend.close()
         finally:
-            backend.close()
+            if store is not None:
+                store.stop()
         got.update(machine_bandwidth(directory))
     got["backend"] = args.backend
+    got["store"] = "local (started by the bench)" if store is not None else (url or "default")
     return got
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 
 import pytest
 
@@ -65,6 +66,24 @@ def test_storage_tier_reports_backend_and_machine_bandwidth(capsys, tmp_path, ti
     assert "storage (file" in out
     saved = json.loads((tmp_path / "out" / "cache.json").read_text())
     assert saved["workload"]["backend"] == "file" and saved["result"] == result
+
+
+@pytest.mark.parametrize("backend", ["redis", "mooncake"])
+def test_remote_backend_without_a_url_gets_a_local_store(capsys, tmp_path, tiny, backend):
+    """`--backend redis|mooncake` with no --storage-url starts its own store, measures through
+    it, and stops it."""
+    if backend == "redis" and shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    if backend == "mooncake" and importlib.util.find_spec("mooncake") is None:
+        pytest.skip("the mooncake wheel is not installed")
+    args = [*tiny, "--tiers", "device,storage", "--backend", backend, "--storage-pages", "32", "--storage-page-kib", "16"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["storage_backend"] == backend and result["storage_store"].startswith("local")
+    assert result["storage_pages_written"] == 32 and result["storage_pages_read"] == 32
+    assert result["storage_write_mb_s"] > 0 and result["storage_read_mb_s"] > 0
+    assert f"storage ({backend}" in out
 
 
 def test_files_hold_the_machine_the_workload_and_what_was_printed(capsys, tmp_path):

@@ -22,8 +22,17 @@ import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
-__all__ = ["LocalMooncake", "LocalRedis", "StoreProcess", "free_port", "mooncake_binary"]
+__all__ = [
+    "LocalMooncake",
+    "LocalRedis",
+    "LocalStore",
+    "StoreProcess",
+    "free_port",
+    "mooncake_binary",
+    "start_local_store",
+]
 
 _PR_SET_PDEATHSIG = 1
 _MIN_SEGMENT_BYTES = 16 << 20  # mooncake_client refuses smaller segments
@@ -273,3 +282,23 @@ class LocalMooncake:
     def stop(self) -> None:
         self.client.stop()
         self.master.stop()
+
+
+class LocalStore(NamedTuple):
+    """A started local store and what a client needs to reach it."""
+
+    address: str  # --hicache-storage-url: redis://127.0.0.1:port/0, or the Mooncake master's host:port
+    metadata: str  # --mooncake-metadata-server ("" for Redis)
+    stop: Callable[[], None]
+
+
+def start_local_store(backend: str, workdir: Path, capacity_bytes: int = 256 << 20) -> LocalStore:
+    """Start a `redis` or `mooncake` store of `capacity_bytes` in `workdir` (FileNotFoundError when
+    it is not installed); the caller stops it with `.stop()`."""
+    if backend == "redis":
+        redis = LocalRedis(workdir, maxmemory_bytes=capacity_bytes).start()
+        return LocalStore(redis.url, "", redis.stop)
+    if backend == "mooncake":
+        mooncake = LocalMooncake(workdir, segment_bytes=capacity_bytes).start()
+        return LocalStore(mooncake.master_address, mooncake.metadata_server, mooncake.stop)
+    raise ValueError(f"backend: a local store is 'redis' or 'mooncake', got {backend!r}")
