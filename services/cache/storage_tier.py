@@ -33,6 +33,7 @@ from himamba.services.cache.allocator import PageAllocator, SlotAllocator
 from himamba.services.cache.keys import page_keys
 from himamba.services.cache.radix_tree import HostPin, RadixTree, TreeNode
 from himamba.services.cache.storage.base import StorageHit
+from himamba.services.cache.storage.known_keys import KnownKeys
 from himamba.services.cache.storage.io_workers import (
     JobHandle,
     JobOutcome,
@@ -126,8 +127,9 @@ class StorageTier:
         self.fingerprint = fingerprint
         self.page_size = cfg.page_size
         self.needs_state = host_state is not None
-        self.stored: set[bytes] = set()
-        self.stored_states: set[bytes] = set()
+        self.stored = KnownKeys()  # acknowledged page keys (a belief that saves writes, never read from)
+        self.stored_states = KnownKeys()
+        self._reconnects_seen = 0
         self._writing: set[bytes] = set()
         self._backups: list[tuple[JobHandle, HostPin, list[bytes], bytes | None]] = []
         self.prefetches: dict[str, _Prefetch] = {}
@@ -162,6 +164,7 @@ class StorageTier:
         """Write the host pages of root..node (and node's host state) that storage lacks."""
         if not node.is_attached or node.host_pages is None or node.parent is None:
             return False
+        self._forget_after_outage()
         keys = self.keys_of(node)
         pages: list[int] = []
         n = node
@@ -185,6 +188,17 @@ class StorageTier:
         self._writing.update(sel)
         self._backups.append((handle, pin, sel, state.page_key if state is not None else None))
         return True
+
+    def _forget_after_outage(self) -> None:
+        # A store back from an outage may have restarted empty: write everything again (skipped
+        # where it still holds the value).
+        reconnects = self.io.backend.stats().num_reconnects
+        if reconnects != self._reconnects_seen:
+            self._reconnects_seen = reconnects
+            if len(self.stored) or len(self.stored_states):
+                _log.info("storage: the store came back; forgetting which of %d pages it held", len(self.stored))
+            self.stored.clear()
+            self.stored_states.clear()
 
     def _finish_backup(self, handle: JobHandle, pin: HostPin, keys: list[bytes], state_key: bytes | None) -> None:
         res: JobResult = handle.future.result()

@@ -225,3 +225,37 @@ def test_cancel_and_failing_storage_leak_nothing(tmp_path):
     host = rig.ctrl.tree
     assert rig.ctrl.host_kv.num_free + host.host_pages_used == rig.ctrl.host_kv.capacity
     rig.close()
+
+
+def test_a_store_back_from_an_outage_gets_the_whole_prefix_written_again(tmp_path):
+    """A restarted store may be empty: after a reconnect, the next backup on a conversation
+    writes its earlier pages again instead of trusting what the store acknowledged before."""
+    store = tmp_path / "store"
+    rig = Rig(store)
+    toks = _prompt(26, 5)
+    rig.serve("a", toks)
+    rig.drain()
+    keys = page_keys(None, toks[:24], PS, FP)
+    assert rig.backend.exists(keys) == 6
+    for f in [p for p in store.rglob("*") if p.is_file()]:
+        f.unlink()  # the store restarted empty ...
+    rig.backend.counters.add(num_reconnects=1)  # ... and the backend saw it come back
+    longer = toks[:24] + _prompt(10, 6)
+    rig.serve("b", longer)
+    rig.drain()
+    assert rig.backend.exists(page_keys(None, longer[:32], PS, FP)) == 8
+    rig.close()
+
+
+def test_known_keys_forget_the_oldest_beyond_their_bound():
+    from himamba.services.cache.storage.known_keys import KnownKeys
+
+    known = KnownKeys(max_keys=3)
+    known.update([b"a", b"b", b"c"])
+    known.add(b"a")  # refreshed: b is now the oldest
+    known.add(b"d")
+    assert b"b" not in known and all(k in known for k in (b"a", b"c", b"d")) and len(known) == 3
+    known.clear()
+    assert len(known) == 0 and b"a" not in known
+    with pytest.raises(ValueError, match="max_keys"):
+        KnownKeys(0)
