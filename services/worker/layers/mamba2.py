@@ -184,7 +184,8 @@ class Mamba2Mixer(nn.Module):
             D=self.D,
             dt_bias=self.dt_bias,
             dt_softplus=True,
-            dt_limit=self.dt_limit,
+            # No dt_limit here: transformers, mamba_ssm and vLLM clamp dt in the chunked scan only,
+            # and their decode step is what our tokens must equal for real checkpoints.
         )
         if gathered:
             conv_pool.index_copy_(0, slots, conv_state)
