@@ -33,7 +33,7 @@ from himamba.common.messages import (
 )
 from himamba.common.types import CachedTokens
 from himamba.services.cache.allocator import PageAllocator, SlotAllocator
-from himamba.services.cache.radix_tree import RadixTree
+from himamba.services.cache.radix_tree import BackupOp, LoadOp, RadixTree
 from himamba.services.cache.storage_tier import StorageTier
 
 
@@ -58,6 +58,28 @@ def _path_pages(node: Any) -> list[int]:
     return [p for part in reversed(parts) for p in part]
 
 
+@dataclass
+class HostCopyCounts:
+    """Device<->host copies the worker acknowledged: backups (d2h) and load-backs (h2d)."""
+
+    backup_ops: int = 0
+    backup_pages: int = 0
+    backup_states: int = 0
+    load_ops: int = 0
+    load_pages: int = 0
+    load_states: int = 0
+
+    def count(self, op: BackupOp | LoadOp) -> None:
+        if isinstance(op, LoadOp):
+            self.load_ops += 1
+            self.load_pages += len(op.host_pages)
+            self.load_states += len(op.host_states)
+        else:
+            self.backup_ops += 1
+            self.backup_pages += len(op.host_pages)
+            self.backup_states += len(op.host_states)
+
+
 class CacheController:
     """Answers the scheduler's Admit/Extend/Insert/Release; see the module docstring."""
 
@@ -71,6 +93,7 @@ class CacheController:
     ):
         self.evicted_pages = 0
         self.evicted_states = 0
+        self.host_copies = HostCopyCounts()  # acknowledged device<->host copies, for metrics
         self.cfg = cfg
         self.page_size = cfg.page_size
         self.device_kv = PageAllocator(num_pages)
@@ -129,7 +152,8 @@ class CacheController:
             op = self.pending.pop(op_id, None)
             if op is None:
                 continue
-            if op.__class__.__name__ == "LoadOp":
+            self.host_copies.count(op)
+            if isinstance(op, LoadOp):
                 self.tree.load_back_done(op)  # type: ignore[union-attr]
             else:
                 self.tree.backup_done(op)  # type: ignore[union-attr]

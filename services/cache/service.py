@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ from himamba.common.metrics import (
 from himamba.common.metrics_report import MetricsReporter, ServiceMetrics
 from himamba.common.transport import Outbox
 from himamba.services.actor import Actor
-from himamba.services.cache.controller import CacheController
+from himamba.services.cache.controller import CacheController, HostCopyCounts
 from himamba.services.cache.keys import model_fingerprint
 from himamba.services.cache.storage.factory import open_configured_backend
 from himamba.services.cache.storage.flaky import FlakyBackend
@@ -75,6 +76,7 @@ class CacheService(Actor[ToCache]):
         self._page_bytes = 0
         self._slot_bytes = 0
         self._evicted_seen = (0, 0)
+        self._host_copies_seen = HostCopyCounts()
         self._host_pools: HostPools | None = None
         self._io: StorageIO | None = None
         self._storage_seen: dict[str, int] = {}
@@ -118,6 +120,7 @@ class CacheService(Actor[ToCache]):
         m[CACHE_EVICTED_BYTES].labels(tier="device", kind="mamba").inc((states - self._evicted_seen[1]) * self._slot_bytes)
         self._evicted_seen = (pages, states)
         m[CACHE_TRANSFERS_IN_FLIGHT].labels(tier="host").set(len(self.ctrl.pending))
+        self._report_host_copies()
         tier = self.ctrl.storage
         if tier is None or self._io is None:
             m[CACHE_STORAGE_UP].set(0)
@@ -126,9 +129,11 @@ class CacheService(Actor[ToCache]):
         backend = self._io.backend.stats()
         m[CACHE_STORAGE_UP].set(1 if backend.reachable else 0)
         now = {
-            "backup_bytes": c.backup_bytes,
+            "backup_kv_bytes": c.backup_bytes - c.backup_state_bytes,
+            "backup_state_bytes": c.backup_state_bytes,
             "backup_ops": c.backup_ops,
-            "prefetch_bytes": c.prefetch_bytes,
+            "prefetch_kv_bytes": c.prefetch_bytes - c.prefetch_state_bytes,
+            "prefetch_state_bytes": c.prefetch_state_bytes,
             "prefetch_ops": c.prefetch_ops,
             "truncations": c.truncations,
             **{f"err_{op}": n for op, n in c.errors.items()},
@@ -139,9 +144,11 @@ class CacheService(Actor[ToCache]):
             d = now.get(name, 0) - self._storage_seen.get(name, 0)
             return max(d, 0)
 
-        m[CACHE_BACKUP_BYTES].labels(tier="storage", kind="kv").inc(delta("backup_bytes"))
+        m[CACHE_BACKUP_BYTES].labels(tier="storage", kind="kv").inc(delta("backup_kv_bytes"))
+        m[CACHE_BACKUP_BYTES].labels(tier="storage", kind="mamba").inc(delta("backup_state_bytes"))
         m[CACHE_BACKUP_OPS].labels(tier="storage").inc(delta("backup_ops"))
-        m[CACHE_PREFETCH_BYTES].labels(tier="storage", kind="kv").inc(delta("prefetch_bytes"))
+        m[CACHE_PREFETCH_BYTES].labels(tier="storage", kind="kv").inc(delta("prefetch_kv_bytes"))
+        m[CACHE_PREFETCH_BYTES].labels(tier="storage", kind="mamba").inc(delta("prefetch_state_bytes"))
         m[CACHE_PREFETCH_OPS].labels(tier="storage").inc(delta("prefetch_ops"))
         m[CACHE_PREFETCH_TRUNCATIONS].inc(delta("truncations"))
         for op in c.errors:
@@ -151,6 +158,18 @@ class CacheService(Actor[ToCache]):
         io = self._io.stats()
         m[CACHE_TRANSFERS_IN_FLIGHT].labels(tier="storage").set(io.num_queued + io.num_running)
         self._storage_seen = now
+
+    def _report_host_copies(self) -> None:
+        m, now, seen = self.m, self.ctrl.host_copies, self._host_copies_seen  # type: ignore[union-attr]
+        m[CACHE_BACKUP_OPS].labels(tier="host").inc(now.backup_ops - seen.backup_ops)
+        m[CACHE_BACKUP_BYTES].labels(tier="host", kind="kv").inc((now.backup_pages - seen.backup_pages) * self._page_bytes)
+        m[CACHE_BACKUP_BYTES].labels(tier="host", kind="mamba").inc(
+            (now.backup_states - seen.backup_states) * self._slot_bytes
+        )
+        m[CACHE_PREFETCH_OPS].labels(tier="host").inc(now.load_ops - seen.load_ops)
+        m[CACHE_PREFETCH_BYTES].labels(tier="host", kind="kv").inc((now.load_pages - seen.load_pages) * self._page_bytes)
+        m[CACHE_PREFETCH_BYTES].labels(tier="host", kind="mamba").inc((now.load_states - seen.load_states) * self._slot_bytes)
+        self._host_copies_seen = dataclasses.replace(now)
 
     def _count_admission(self, op: Admit, res: Admitted) -> None:
         if not op.use_cache:
@@ -221,6 +240,7 @@ class CacheService(Actor[ToCache]):
         self._page_bytes = info.kv_bytes_per_token * self.cfg.cache.page_size
         self._slot_bytes = info.state_bytes_per_slot
         self._evicted_seen = (0, 0)
+        self._host_copies_seen = HostCopyCounts()
         self.ctrl = CacheController(
             self.cfg.cache,
             num_pages=info.num_pages,

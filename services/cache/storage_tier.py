@@ -98,9 +98,11 @@ class AdmitGate(NamedTuple):
 class StorageCounters:
     """Monotonic counters the cache service turns into metrics."""
 
-    backup_bytes: int = 0
+    backup_bytes: int = 0  # KV pages and states together
+    backup_state_bytes: int = 0
     backup_ops: int = 0
-    prefetch_bytes: int = 0
+    prefetch_bytes: int = 0  # KV pages and states together
+    prefetch_state_bytes: int = 0
     prefetch_ops: int = 0
     truncations: int = 0
     errors: Counter[str] = field(default_factory=Counter)
@@ -208,6 +210,7 @@ class StorageTier:
             self.stored_states.add(state_key)
         self.tree.release_host(pin)  # exactly what the pin took (KV, and the state iff carried)
         self.counters.backup_bytes += res.num_bytes
+        self.counters.backup_state_bytes += res.num_state_bytes
         self.counters.backup_ops += 1
         self.counters.outcomes[f"backup_{res.outcome}"] += 1
         if res.outcome is JobOutcome.FAILED:
@@ -306,6 +309,7 @@ class StorageTier:
         plan = pf.plan
         self.counters.prefetch_ops += 1
         self.counters.prefetch_bytes += res.num_bytes
+        self.counters.prefetch_state_bytes += res.num_state_bytes
         self.counters.outcomes[f"prefetch_{res.outcome}"] += 1
         if res.outcome is JobOutcome.FAILED:
             self.counters.errors["prefetch"] += 1

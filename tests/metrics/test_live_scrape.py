@@ -142,5 +142,9 @@ def test_occupancy_gauges_move_with_requests_and_when_the_cache_fills(live: Any,
     assert after[evicted] > before[evicted]
     assert after[kv_used] >= before[kv_used]
     assert after[kv_used] <= after[kv_cap]
+    # write_through: what the device held was copied to host, KV pages and states both counted.
+    assert after['himamba_cache_backup_ops_total{tier="host"}'] > 0
+    assert after['himamba_cache_backup_bytes_total{kind="kv",tier="host"}'] > 0
+    assert after['himamba_cache_backup_bytes_total{kind="mamba",tier="host"}'] > 0
     hits = sum(v for k, v in after.items() if k.startswith("himamba_cache_hit_tokens_total"))
     assert 0 < hits <= after["himamba_cache_query_tokens_total"]

@@ -112,6 +112,7 @@ class StorageSeries(NamedTuple):
     events: dict[str, float]  # himamba_cache_storage_events_total by event
     errors: dict[str, float]  # himamba_cache_storage_errors_total by op
     backup_ops: float
+    backup_bytes: dict[str, float]  # to storage, by kind (kv, mamba)
 
 
 def scrape_storage(port: int) -> StorageSeries:
@@ -120,6 +121,7 @@ def scrape_storage(port: int) -> StorageSeries:
     up, backup_ops = 0.0, 0.0
     events: dict[str, float] = {}
     errors: dict[str, float] = {}
+    backup_bytes: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "himamba_cache_storage_up":
@@ -128,12 +130,11 @@ def scrape_storage(port: int) -> StorageSeries:
                 events[s.labels["event"]] = s.value
             elif s.name == "himamba_cache_storage_errors_total":
                 errors[s.labels["op"]] = s.value
-            elif (
-                s.name == "himamba_cache_backup_ops_total"
-                and s.labels.get("tier") == "storage"
-            ):
+            elif s.name == "himamba_cache_backup_ops_total" and s.labels.get("tier") == "storage":
                 backup_ops = s.value
-    return StorageSeries(up, events, errors, backup_ops)
+            elif s.name == "himamba_cache_backup_bytes_total" and s.labels.get("tier") == "storage":
+                backup_bytes[s.labels["kind"]] = s.value
+    return StorageSeries(up, events, errors, backup_ops, backup_bytes)
 
 
 def wait_metrics(port: int, ok, what: str, timeout_s: float = 60.0) -> StorageSeries:  # type: ignore[no-untyped-def]

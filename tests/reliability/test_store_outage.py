@@ -63,7 +63,8 @@ def test_store_killed_mid_load_then_back(
             server.endpoint, port, Conversations(12, seed=1), reference_tokens
         )
         assert before > 0, "no storage hit while the store was up"
-        assert scrape_storage(port).up == 1
+        series = scrape_storage(port)
+        assert series.up == 1 and series.backup_bytes["kv"] > 0 and series.backup_bytes["mamba"] > 0, series
 
         # Killed under load: every request completes, with the no-cache tokens.
         busy = Conversations(12, seed=2)

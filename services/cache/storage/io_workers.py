@@ -87,6 +87,7 @@ class JobResult(NamedTuple):
     num_pages: int
     state_ok: bool
     num_bytes: int  # bytes moved (payloads), including a batch discarded by a revoke
+    num_state_bytes: int  # the part of num_bytes that was the recurrent state
     queued_s: float
     run_s: float
     error: str | None
@@ -134,6 +135,7 @@ class _Job:
     num_pages: int = 0  # frozen by a revoke
     state_ok: bool = False
     num_bytes: int = 0
+    num_state_bytes: int = 0
     finished: bool = False
 
 
@@ -376,6 +378,7 @@ class StorageIO:
             else:
                 ok = self.backend.set_state(job.state.page_key, slot)
             job.num_bytes += slot.nbytes if ok else 0
+            job.num_state_bytes += slot.nbytes if ok else 0
             with job.lock:
                 job.state_ok = ok and not job.revoked
             if not ok:
@@ -420,6 +423,7 @@ class StorageIO:
                 num_pages=job.num_pages,
                 state_ok=job.state_ok,
                 num_bytes=job.num_bytes,
+                num_state_bytes=job.num_state_bytes,
                 queued_s=(job.started or now) - job.submitted,
                 run_s=0.0 if job.started is None else now - job.started,
                 error=error,
