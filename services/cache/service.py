@@ -103,18 +103,24 @@ class CacheService(Actor[ToCache]):
         if self.ctrl is None:
             return
         st = self.ctrl.stats()
+        t = self.ctrl.tree
+        # Evictable: cached in the tree and not locked by a request or pinned by a transfer; the
+        # rest of what is used (running requests' own pages, locked prefixes, copies in flight)
+        # is protected.
         pools = {
-            ("device", "kv"): (st.total_pages, st.free_pages, st.cached_pages, self._page_bytes),
-            ("device", "mamba"): (st.total_slots, st.free_slots, st.cached_slots, self._slot_bytes),
-            ("host", "kv"): (st.total_host_pages, st.free_host_pages, 0, self._page_bytes),
-            ("host", "mamba"): (st.total_host_slots, st.free_host_slots, 0, self._slot_bytes),
-        }
-        for (tier, kind), (total, free, cached, unit) in pools.items():
+            ("device", "kv"): (st.total_pages, st.free_pages, t.device_pages_evictable if t else 0, self._page_bytes),
+            ("device", "mamba"): (st.total_slots, st.free_slots, t.device_states_evictable if t else 0, self._slot_bytes),
+            ("host", "kv"): (st.total_host_pages, st.free_host_pages, t.host_pages_evictable if t else 0, self._page_bytes),
+            ("host", "mamba"): (
+                st.total_host_slots, st.free_host_slots, t.host_states_evictable if t else 0, self._slot_bytes,
+            ),
+        }  # fmt: skip
+        for (tier, kind), (total, free, evictable, unit) in pools.items():
             used = total - free
             m[POOL_CAPACITY_BYTES].labels(tier=tier, kind=kind).set(total * unit)
             m[POOL_USED_BYTES].labels(tier=tier, kind=kind).set(used * unit)
-            m[POOL_EVICTABLE_BYTES].labels(tier=tier, kind=kind).set(min(cached, used) * unit)
-            m[POOL_PROTECTED_BYTES].labels(tier=tier, kind=kind).set(max(0, used - cached) * unit)
+            m[POOL_EVICTABLE_BYTES].labels(tier=tier, kind=kind).set(min(evictable, used) * unit)
+            m[POOL_PROTECTED_BYTES].labels(tier=tier, kind=kind).set(max(0, used - evictable) * unit)
         pages, states = self.ctrl.evicted_pages, self.ctrl.evicted_states
         m[CACHE_EVICTED_BYTES].labels(tier="device", kind="kv").inc((pages - self._evicted_seen[0]) * self._page_bytes)
         m[CACHE_EVICTED_BYTES].labels(tier="device", kind="mamba").inc((states - self._evicted_seen[1]) * self._slot_bytes)
