@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Literal, Union
 
 import msgspec
-
 from himamba.common.host_layout import HostPoolLayout
 from himamba.common.types import CachedTokens, FinishReason, SamplingParams, Usage
 
@@ -199,6 +198,7 @@ class WorkerInfo(Message):
     model_name: str
     random_weights: bool = False
     host_layout: HostPoolLayout = HostPoolLayout()
+    pid: int = 0  # the worker process: a WorkerInfo with a known pid is a repeat, a new pid a restart
 
 
 # ---------------------------------------------------------------- scheduler <-> cache controller
@@ -313,6 +313,7 @@ CacheResult = Union[Admitted, Extended, SlotsAllocated, Inserted, Released]
 class CacheStep(Message):
     step_id: int
     ops: list[CacheOp]
+    cache_pid: int = 0  # the controller these ops were meant for (0: any); a new one ignores them
 
 
 class CacheStepDone(Message):
@@ -337,10 +338,20 @@ class GetCacheStats(Message):
 
 
 class CacheReset(Message):
-    """The cache controller forgot everything because the worker restarted with empty pools."""
+    """The cache controller starts over with an empty tree and every pool free, and says why:
+
+    - `worker_restarted`: the worker came back with empty pools;
+    - `cache_started`: this is a new cache controller (`cache_pid`): whatever a scheduler held in
+      a previous one is gone, and the scheduler must greet it (`Hello`) before using it;
+    - `scheduler_started`: the answer to a scheduler's `Hello` (`scheduler_pid`): nothing of an
+      earlier scheduler is held any more, and copies it had ordered have run or never will.
+    """
 
     num_pages: int
     num_state_slots: int
+    reason: Literal["worker_restarted", "cache_started", "scheduler_started"] = "worker_restarted"
+    cache_pid: int = 0
+    scheduler_pid: int = 0
 
 
 class CacheStats(Message):
@@ -360,6 +371,15 @@ class CacheStats(Message):
 
 
 # ---------------------------------------------------------------- control (services -> launcher)
+
+
+class Hello(Message):
+    """A service (re)started and introduces itself to a peer: the worker answers with its
+    `WorkerInfo`; the cache controller drops what an earlier scheduler held and answers with a
+    `CacheReset(reason="scheduler_started")`."""
+
+    service: str
+    pid: int
 
 
 class Ready(Message):
@@ -391,12 +411,13 @@ class MetricsReport(Message):
 
     service: str
     text: str
+    pid: int = 0  # a report from a new pid means the service restarted
 
 
 # ---------------------------------------------------------------- one union per inbox
 
 ToTokenizer = Union[TokenBatch, WorkerInfo, Ready, MetricsReport, Shutdown]
 ToScheduler = Union[AddRequest, AbortRequest, StopRequest, BatchDone, CacheStepDone, CacheReset, WorkerInfo, Shutdown]
-ToWorker = Union[RunBatch, ResetState, Shutdown]
-ToCache = Union[CacheStep, TransfersDone, WorkerInfo, GetCacheStats, Shutdown]
+ToWorker = Union[RunBatch, ResetState, Hello, Shutdown]
+ToCache = Union[CacheStep, TransfersDone, WorkerInfo, GetCacheStats, Hello, Shutdown]
 ToLauncher = Union[Ready, Fatal]

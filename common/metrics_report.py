@@ -16,13 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from collections.abc import Callable
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from himamba.common.messages import MetricsReport
 from himamba.common.metrics import MetricDef, Service, metrics_of
 from himamba.common.transport import Outbox
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 Metric = Counter | Gauge | Histogram
 
@@ -85,7 +91,7 @@ class MetricsReporter:
         return generate_latest(self.registry).decode("utf-8")
 
     def report(self) -> MetricsReport:
-        return MetricsReport(service=self.service, text=self.render())
+        return MetricsReport(service=self.service, text=self.render(), pid=os.getpid())
 
     async def report_now(self) -> None:
         """Send the current metrics to the tokenizer now (e.g. right after becoming ready)."""

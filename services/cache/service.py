@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from himamba.common.config import Config
 from himamba.common.host_pool import HostPools, open_host_pools
@@ -17,6 +17,7 @@ from himamba.common.messages import (
     CacheStep,
     CacheStepDone,
     GetCacheStats,
+    Hello,
     Ready,
     Shutdown,
     ToCache,
@@ -67,7 +68,11 @@ class CacheService(Actor[ToCache]):
     def __init__(self, cfg: Config):
         super().__init__(cfg, cfg.endpoints.cache_ipc, ToCache)  # type: ignore[arg-type]
         self.scheduler = Outbox(self.ctx, cfg.endpoints.scheduler_ipc)
+        self.worker = Outbox(self.ctx, cfg.endpoints.worker_ipc)
         self.ctrl: CacheController | None = None
+        self._worker_pid = 0  # the worker whose pools the controller describes
+        self._scheduler_pid = 0  # the scheduler this controller serves (greeted with Hello)
+        self._greetings: set[int] = set()  # schedulers waiting for the worker barrier
         self._early: list[tuple[Any, list[Any]]] = []
         self.tokenizer = Outbox(self.ctx, cfg.endpoints.tokenizer_ipc)
         self.reporter = MetricsReporter("cache", self.tokenizer, cfg.metrics.report_interval_s)
@@ -84,6 +89,8 @@ class CacheService(Actor[ToCache]):
     async def start(self) -> str:
         # The pools' sizes come from the worker, which knows the model; wait for it.
         assert self.inbox is not None
+        # A worker that is already up sent its WorkerInfo to an earlier cache: ask again.
+        await self.worker.send(Hello(service=self.name, pid=os.getpid()))
         self.log.info("waiting for the worker's pool sizes")
         while self.ctrl is None:
             msg, frames = await self.inbox.recv()
@@ -188,6 +195,9 @@ class CacheService(Actor[ToCache]):
             self.m[CACHE_MAMBA_STATE_HITS].labels(tier="device").inc()
 
     async def background(self) -> None:
+        # Before anything else reaches the scheduler: a scheduler that used an earlier cache
+        # controller must forget what it held there, and greet this one.
+        await self.scheduler.send(self._reset_message("cache_started"))
         await self.tokenizer.send(Ready(service=self.name, pid=os.getpid()))
         self.spawn(self.reporter.run(), "metrics")
         self.spawn(self._poll_storage(), "storage-poll")
@@ -242,7 +252,52 @@ class CacheService(Actor[ToCache]):
         self.ctrl.attach_storage(self._io, fp)
         self.log.info("storage tier on: %s backend", cache.hicache_storage_backend)
 
+    def _reset_message(
+        self, reason: Literal["worker_restarted", "cache_started", "scheduler_started"], scheduler_pid: int = 0
+    ) -> CacheReset:
+        assert self.ctrl is not None
+        return CacheReset(
+            num_pages=self.ctrl.device_kv.capacity,
+            num_state_slots=self.ctrl.device_state.capacity,
+            reason=reason,
+            cache_pid=os.getpid(),
+            scheduler_pid=scheduler_pid,
+        )
+
+    async def _on_worker_info(self, info: WorkerInfo) -> None:
+        if info.pid and info.pid == self._worker_pid:
+            # The worker's answer to our Hello, in its inbox order: every batch and copy an earlier
+            # scheduler sent it has run, so the pools can be handed out afresh.
+            if self._greetings:
+                self.log.warning("a new scheduler: forgetting the cache and what the previous one held")
+                self._close_storage()
+                self.on_worker_info(info)
+                await self._answer_greetings()
+            return
+        # A restarted worker has empty pools: every page and state the tree knew is gone.
+        self.log.warning("worker restarted: forgetting the cache and every request's memory")
+        self._close_storage()
+        self.on_worker_info(info)
+        await self.scheduler.send(self._reset_message("worker_restarted"))
+        await self._answer_greetings()
+
+    async def _answer_greetings(self) -> None:
+        for pid in sorted(self._greetings):
+            self._scheduler_pid = pid
+            await self.scheduler.send(self._reset_message("scheduler_started", pid))
+        self._greetings.clear()
+
+    async def _on_scheduler_hello(self, pid: int) -> None:
+        if pid == self._scheduler_pid:
+            # A repeat from the scheduler this controller already serves: nothing to forget.
+            await self.scheduler.send(self._reset_message("scheduler_started", pid))
+            return
+        if not self._greetings:
+            await self.worker.send(Hello(service=self.name, pid=os.getpid()))  # the barrier
+        self._greetings.add(pid)
+
     def on_worker_info(self, info: WorkerInfo) -> None:
+        self._worker_pid = info.pid
         self._page_bytes = info.kv_bytes_per_token * self.cfg.cache.page_size
         self._slot_bytes = info.state_bytes_per_slot
         self._evicted_seen = (0, 0)
@@ -259,6 +314,8 @@ class CacheService(Actor[ToCache]):
     async def handle(self, msg: ToCache, frames: list[Any]) -> None:
         assert self.ctrl is not None
         match msg:
+            case CacheStep(cache_pid=cache_pid) if cache_pid and cache_pid != os.getpid():
+                self.log.info("ignoring a cache step meant for an earlier cache controller (pid %d)", cache_pid)
             case CacheStep(step_id=step_id, ops=ops):
                 pairs = [(op, self.ctrl.apply(op)) for op in ops]
                 for op, res in pairs:
@@ -280,11 +337,11 @@ class CacheService(Actor[ToCache]):
                 await out.send(stats)
                 out.close()
             case WorkerInfo():
-                # A restarted worker has empty pools: every page and state the tree knew is gone.
-                self.log.warning("worker restarted: forgetting the cache and every request's memory")
-                self._close_storage()
-                self.on_worker_info(msg)
-                await self.scheduler.send(CacheReset(num_pages=msg.num_pages, num_state_slots=msg.num_state_slots))
+                await self._on_worker_info(msg)
+            case Hello(service="scheduler", pid=pid):
+                await self._on_scheduler_hello(pid)
+            case Hello(service=service):
+                self.log.warning("hello from %r: nothing to do", service)
             case Shutdown():
                 pass
 

@@ -19,7 +19,6 @@ from collections import deque
 from typing import Any
 
 import torch
-
 from himamba.common.config import Config
 from himamba.common.messages import (
     AbortRequest,
@@ -32,29 +31,27 @@ from himamba.common.messages import (
     CacheReset,
     CacheStep,
     CacheStepDone,
+    CancelPrefetch,
     Extend,
     Extended,
     FreeSlots,
-    CancelPrefetch,
+    Hello,
     Insert,
     Inserted,
     Prefetch,
+    Ready,
     Release,
     RunBatch,
     SeqPlan,
     Shutdown,
     SlotsAllocated,
     StopRequest,
-    ToScheduler,
     TokenBatch,
     TokenOut,
+    ToScheduler,
     Transfer,
     WorkerInfo,
 )
-from himamba.common.transport import Outbox
-from himamba.common.types import CachedTokens, FinishReason
-from himamba.common.wire import tensor_ref
-from himamba.common.messages import Ready
 from himamba.common.metrics import (
     SCHEDULER_LAZY_ALLOC_FAILURES,
     SCHEDULER_MAMBA_TRACK_SLOTS,
@@ -64,6 +61,9 @@ from himamba.common.metrics import (
     SCHEDULER_WAITING,
 )
 from himamba.common.metrics_report import MetricsReporter, ServiceMetrics
+from himamba.common.transport import Outbox
+from himamba.common.types import CachedTokens, FinishReason
+from himamba.common.wire import tensor_ref
 from himamba.services.actor import Actor
 from himamba.services.scheduler import mamba_track
 from himamba.services.scheduler.batching import BatchPlan, pick_batch
@@ -109,6 +109,7 @@ class SchedulerService(Actor[ToScheduler]):
         self.counters = {"lazy_alloc_failures": 0, "admission_blocked": 0, "retractions": 0}
         self._restarts = 0  # WorkerInfo messages after the first (the worker came back)
         self._resets = 0  # CacheReset confirmations from the cache controller
+        self._cache_pid = 0  # the cache controller that answered our Hello (0: none yet)
         self._refused_rid = ""  # the waiting head, when the last admission attempt refused it
         self._refused_reason = ""
 
@@ -128,16 +129,41 @@ class SchedulerService(Actor[ToScheduler]):
                     fut.set_result((msg, frames))
             case WorkerInfo():
                 self.on_worker_info(msg)
-            case CacheReset():
+            case CacheReset(reason="worker_restarted"):
                 self._resets += 1
                 # Anything a racing Admit allocated in the fresh controller is given back.
                 self.pending_ops = [Release(rid=r.rid) for r in self.waiting]
                 self._update_ready()
+            case CacheReset(reason="cache_started", cache_pid=pid) if pid != self._cache_pid:
+                await self._on_cache_started(pid)
+            case CacheReset(reason="scheduler_started", scheduler_pid=mine, cache_pid=pid) if mine == os.getpid():
+                if pid != self._cache_pid:
+                    self._cache_pid = pid
+                    self.log.info("cache controller ready (pid %d)", pid)
+                    self._update_ready()
+            case CacheReset():
+                pass  # a repeat, or the answer to another scheduler's Hello
             case Shutdown():
                 pass
         self.wake.set()
 
+    async def _on_cache_started(self, pid: int) -> None:
+        """A new cache controller: what we held in an earlier one is gone. Requeue what ran, and
+        greet it; scheduling resumes when it answers."""
+        if self._cache_pid or self.running:
+            self.log.warning("cache controller restarted (pid %d): requeueing %d running requests", pid, len(self.running))
+            self._requeue_running()
+            if self.use_cache and self.storage:
+                self.pending_ops = [Prefetch(rid=r.rid, tokens=r.prompt_ids) for r in self.waiting]
+            else:
+                self.pending_ops = []
+        self._cache_pid = 0
+        self._update_ready()
+        await self.cache.send(Hello(service=self.name, pid=os.getpid()))
+
     def on_worker_info(self, info: WorkerInfo) -> None:
+        if self.info is not None and info.pid and info.pid == self.info.pid:
+            return  # a repeat (the answer to our Hello)
         if self.info is not None:
             self._restarts += 1
             self._on_worker_restart()
@@ -156,7 +182,7 @@ class SchedulerService(Actor[ToScheduler]):
         )
 
     def _update_ready(self) -> None:
-        if self.info is not None and self._resets >= self._restarts:
+        if self.info is not None and self._resets >= self._restarts and self._cache_pid:
             self._info_ready.set()
         else:
             self._info_ready.clear()
@@ -165,6 +191,14 @@ class SchedulerService(Actor[ToScheduler]):
         """The worker came back with empty pools: requeue every running request (its output is
         kept and recomputed) and drop memory bookkeeping the reset cache no longer knows."""
         self.log.warning("worker restarted: requeueing %d running requests", len(self.running))
+        self._requeue_running()
+        # Give back whatever a racing Admit got from a controller that has already reset
+        # (releasing a request the controller does not know is a no-op).
+        self.pending_ops = [Release(rid=r.rid) for r in self.waiting]
+
+    def _requeue_running(self) -> None:
+        """Every running request goes back to the head of the queue (its output is kept and
+        recomputed); replies still awaited from the worker or cache will never be used."""
         for key, fut in list(self._replies.items()):
             if not fut.done():
                 fut.set_exception(WorkerRestarted())
@@ -174,14 +208,13 @@ class SchedulerService(Actor[ToScheduler]):
             req.release_resources()
             req.status = "waiting"
             self.waiting.appendleft(req)
-        # Give back whatever a racing Admit got from a controller that has already reset
-        # (releasing a request the controller does not know is a no-op).
-        self.pending_ops = [Release(rid=r.rid) for r in self.waiting]
         self.pending_transfers = []
 
     def on_add(self, msg: AddRequest) -> None:
         if msg.rid in self.requests:
-            self._emit_now(TokenOut(rid=msg.rid, token_ids=[], finish_reason="error", error=f"duplicate request id {msg.rid}"))
+            # The front door sends a request again when it cannot tell whether a restarted
+            # scheduler received it (internal rids are unique): the copy is dropped.
+            self.log.debug("request %s is already here", msg.rid)
             return
         eos = set(msg.eos_token_ids)
         if self.info is not None:
@@ -214,7 +247,8 @@ class SchedulerService(Actor[ToScheduler]):
 
     async def cache_step(self, ops: list[CacheOp]) -> list[Any]:
         step_id = next(self._ids)
-        reply, _ = await (await self._call(self.cache, CacheStep(step_id=step_id, ops=ops), step_id))
+        step = CacheStep(step_id=step_id, ops=ops, cache_pid=self._cache_pid)
+        reply, _ = await (await self._call(self.cache, step, step_id))
         self.pending_transfers.extend(reply.transfers)
         return list(reply.results)
 
@@ -226,8 +260,12 @@ class SchedulerService(Actor[ToScheduler]):
         m[SCHEDULER_MAMBA_TRACK_SLOTS].labels(strategy=self.strategy).set(sum(len(r.track_slots) for r in self.running))
 
     async def background(self) -> None:
+        # Peers that are already up sent what we need to an earlier scheduler: ask again.
+        hello = Hello(service=self.name, pid=os.getpid())
+        await self.worker.send(hello)
+        await self.cache.send(hello)
         if not self._info_ready.is_set():
-            self.log.info("waiting for the worker (model load and pool sizes)")
+            self.log.info("waiting for the worker (model load and pool sizes) and the cache controller")
         await self._info_ready.wait()
         await self.tokenizer.send(Ready(service=self.name, pid=os.getpid()))
         self.spawn(self.reporter.run(), "metrics")
@@ -509,7 +547,6 @@ class SchedulerService(Actor[ToScheduler]):
             if req.status != "running":
                 continue
             req.state_init = "keep"
-            start = req.computed_len
             req.computed_len += n
             self._commit_captures(req, self._in_flight.get(req.rid, []))
             if req.abort_requested:

@@ -40,6 +40,8 @@ class RequestEntry:
     held: AddRequest | None = None
     # Sample 0 of an n > 1 request whose siblings are still held.
     holds_siblings: bool = False
+    # Sent to the scheduler, no output yet: sent again if the scheduler restarts meanwhile.
+    sent: AddRequest | None = None
 
 
 class RequestTable:

@@ -16,14 +16,14 @@ together at /metrics) and their readiness (`Ready`, `WorkerInfo`, reports) for /
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import traceback
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import msgspec
-from tokenizers import Tokenizer
-
 from himamba.common.config import Config
 from himamba.common.messages import (
     AbortGenerate,
@@ -33,6 +33,7 @@ from himamba.common.messages import (
     ErrorReply,
     GenerateChunk,
     GenerateRequest,
+    Hello,
     MetricsReport,
     Ready,
     StopRequest,
@@ -46,8 +47,15 @@ from himamba.common.transport import Outbox
 from himamba.common.types import FinishReason, Usage
 from himamba.common.wire import Decoder, WireError
 from himamba.services.actor import Actor
-from himamba.services.tokenizer.client_socket import ClientGone, ClientMessage, ClientSocket
-from himamba.services.tokenizer.http.chat_template import ChatTemplate, load_chat_template
+from himamba.services.tokenizer.client_socket import (
+    ClientGone,
+    ClientMessage,
+    ClientSocket,
+)
+from himamba.services.tokenizer.http.chat_template import (
+    ChatTemplate,
+    load_chat_template,
+)
 from himamba.services.tokenizer.http.server import HttpServer
 from himamba.services.tokenizer.loader import LoadedTokenizer, load_tokenizer
 from himamba.services.tokenizer.local_clients import LocalClients, ReplyStream
@@ -57,12 +65,14 @@ from himamba.services.tokenizer.prepare import RequestLimits, prepare_request
 from himamba.services.tokenizer.request_metrics import RequestClock, RequestMetrics
 from himamba.services.tokenizer.requests import RequestEntry, RequestTable, internal_rid
 from himamba.services.tokenizer.samples import sample_requests
+from tokenizers import Tokenizer
 
 # A peer whose metrics reports stop for this many report intervals counts as gone.
 _STALE_REPORTS = 5
 _MIN_STALE_S = 1.0
 _WAITING_LOG_EVERY_S = 10.0
 _WAITING_LOG_MAX_S = 300.0
+_STOPPED_REMEMBERED = 4096
 
 
 def _rid_of_raw(payload: bytes) -> str:
@@ -98,10 +108,13 @@ class TokenizerService(Actor[ToTokenizer]):
         self._vocab_size = 0
         self._eos_token_ids: list[int] = []
         self._scheduler: Outbox | None = None
+        self._worker: Outbox | None = None
         self._clients: ClientSocket | None = None
         self._decoder: Decoder[Any] = Decoder(ClientRequest)
         self._encoder = msgspec.msgpack.Encoder()
         self._next_auto_rid = 0
+        self._peer_pids: dict[str, int] = {}
+        self._stopped: OrderedDict[str, None] = OrderedDict()  # rids we asked the scheduler to abort
 
     # ------------------------------------------------------------ lifecycle
 
@@ -114,6 +127,9 @@ class TokenizerService(Actor[ToTokenizer]):
         except ValueError as e:  # a broken template costs chat completions, not the server
             self.log.error("%s; /v1/chat/completions will refuse requests", e)
         self._scheduler = Outbox(self.ctx, self.cfg.endpoints.scheduler_ipc)
+        # A worker that is already up sent its WorkerInfo (model vocab, eos) to an earlier front door.
+        self._worker = Outbox(self.ctx, self.cfg.endpoints.worker_ipc)
+        await self._worker.send(Hello(service=self.name, pid=os.getpid()))
         self._clients = ClientSocket(self.ctx, self.cfg.endpoints.zmq_endpoint)
         detail = f"vocab {self._vocab_size}, eos {self._eos_token_ids}, clients at {self.cfg.endpoints.zmq_endpoint}"
         if self.cfg.http.port:
@@ -187,6 +203,8 @@ class TokenizerService(Actor[ToTokenizer]):
             self._clients.close()
         if self._scheduler is not None:
             self._scheduler.close()
+        if self._worker is not None:
+            self._worker.close()
 
     # ------------------------------------------------------------ what the HTTP server uses
 
@@ -230,15 +248,42 @@ class TokenizerService(Actor[ToTokenizer]):
                 if not self._eos_token_ids:
                     self._eos_token_ids = list(msg.eos_token_ids)
                 self._note_peer("worker", "WorkerInfo")
-            case Ready(service=service):
+            case Ready(service=service, pid=pid):
                 self._note_peer(service, "Ready")
-            case MetricsReport(service=service, text=text):
+                await self._note_pid(service, pid)
+            case MetricsReport(service=service, text=text, pid=pid):
+                await self._note_pid(service, pid)
                 if service in PEERS:
                     self.peers.report(service, text, time.monotonic())
                 else:
                     self.log.warning("metrics report from unknown service %r", service)
             case _:
                 self.log.warning("unexpected message %s", type(msg).__name__)
+
+    async def _note_pid(self, service: str, pid: int) -> None:
+        if not pid or service not in PEERS:
+            return
+        before = self._peer_pids.get(service)
+        self._peer_pids[service] = pid
+        if service == "scheduler" and before is not None and before != pid:
+            await self._on_scheduler_restart()
+
+    async def _on_scheduler_restart(self) -> None:
+        """The scheduler restarted and lost what it ran. Requests that have no output yet are
+        sent again (the scheduler drops a copy it already has); the others cannot be resumed
+        exactly and fail with a retryable error."""
+        resent = failed = 0
+        for entry in list(self.table.entries()):
+            if entry.rid not in self.table or entry.held is not None:
+                continue  # gone with a failed sibling, or still held: sent later
+            if entry.sent is not None:
+                await self._send_scheduler(entry.sent)
+                resent += 1
+            else:
+                message = "the scheduler restarted while this request was running; send it again"
+                await self._fail_request(entry, message, abort_failed=False, code=503)
+                failed += 1
+        self.log.warning("scheduler restarted: %d request(s) sent again, %d failed (they had output)", resent, failed)
 
     def _note_peer(self, service: str, how: str) -> None:
         if service in PEERS:
@@ -251,7 +296,15 @@ class TokenizerService(Actor[ToTokenizer]):
     async def _on_token_out(self, out: TokenOut) -> None:
         entry = self.table.get(out.rid)
         if entry is None:
-            return  # already finished here (stop string, abort): late outputs are expected
+            # Already finished here (stop string, abort: late outputs are expected), or sent by
+            # an earlier front door (we restarted): the scheduler should stop it either way.
+            if out.finish_reason is None and out.rid not in self._stopped:
+                self._stopped[out.rid] = None
+                if len(self._stopped) > _STOPPED_REMEMBERED:
+                    self._stopped.popitem(last=False)
+                await self._send_scheduler(AbortRequest(rid=out.rid))
+            return
+        entry.sent = None
         if out.error:
             await self._fail_request(entry, out.error, abort_failed=False)
             return
@@ -280,9 +333,10 @@ class TokenizerService(Actor[ToTokenizer]):
         for sibling in self.table.samples(first.identity, first.client_rid):
             if sibling.held is not None:
                 add, sibling.held = sibling.held, None
+                sibling.sent = add
                 await self._send_scheduler(add)
 
-    async def _fail_request(self, failed: RequestEntry, message: str, *, abort_failed: bool) -> None:
+    async def _fail_request(self, failed: RequestEntry, message: str, *, abort_failed: bool, code: int = 500) -> None:
         """A sample failed: its whole request fails with one ErrorReply, the other samples are
         aborted (and the failed one too when the scheduler still runs it: `abort_failed`)."""
         for entry in self.table.pop_request(failed.identity, failed.client_rid):
@@ -290,7 +344,7 @@ class TokenizerService(Actor[ToTokenizer]):
             self._record_end(entry, "error" if is_failed else "abort", None)
             if entry.held is None and (abort_failed or not is_failed):
                 await self._send_scheduler(AbortRequest(rid=entry.rid))
-        await self._reply(failed.identity, ErrorReply(message=message, rid=failed.client_rid, code=500))
+        await self._reply(failed.identity, ErrorReply(message=message, rid=failed.client_rid, code=code))
 
     # ------------------------------------------------------------ client side
 
@@ -377,6 +431,9 @@ class TokenizerService(Actor[ToTokenizer]):
                 holds_siblings=i == 0 and n > 1,
             )
             self.table.add(entry)
+        first = self.table.get(adds[0].rid)
+        assert first is not None
+        first.sent = adds[0]
         await self._send_scheduler(adds[0])
 
     async def _on_abort(self, identity: bytes, client_rid: str) -> None:

@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from himamba.common.config import Config
 from himamba.common.messages import (
     BatchDone,
+    Hello,
+    Ready,
     ResetState,
     RunBatch,
     Shutdown,
@@ -25,11 +26,10 @@ from himamba.common.messages import (
     TransfersDone,
     WorkerInfo,
 )
-from himamba.common.transport import Outbox
-from himamba.common.wire import WireError, tensor_ref
-from himamba.common.messages import Ready
 from himamba.common.metrics import WORKER_STEP_TIME, WORKER_STEP_TOKENS
 from himamba.common.metrics_report import MetricsReporter
+from himamba.common.transport import Outbox
+from himamba.common.wire import WireError, tensor_ref
 from himamba.services.actor import Actor
 from himamba.services.worker.host_transfer import HostTransfer, host_layout
 from himamba.services.worker.loader import load_model
@@ -98,6 +98,7 @@ class WorkerService(Actor[ToWorker]):
             model_name=cfg.model.served_model_name or model_dir.name,
             random_weights=_random_weights(model_dir),
             host_layout=layout,
+            pid=os.getpid(),
         )
         for peer in (self.scheduler, self.cache, self.tokenizer):
             await peer.send(self.info)
@@ -121,6 +122,14 @@ class WorkerService(Actor[ToWorker]):
                 await self.on_run_batch(msg, frames)
             case ResetState(slots=slots):
                 self.state.zero(torch.tensor(slots, dtype=torch.int64, device=self.device))
+            case Hello(service=service):
+                # A restarted peer missed our WorkerInfo. Answered in inbox order, so it also
+                # tells the peer that every batch (and copy) sent before its Hello has run.
+                peer = {"scheduler": self.scheduler, "cache": self.cache, "tokenizer": self.tokenizer}.get(service)
+                if peer is None:
+                    self.log.warning("hello from unknown service %r", service)
+                else:
+                    await peer.send(self.info)
             case Shutdown():
                 pass
 

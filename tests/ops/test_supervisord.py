@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,6 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from himamba.common.messages import CacheStats
+from himamba.services.bench.servers import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("worker", "cache", "scheduler", "tokenizer")
@@ -35,6 +39,7 @@ class Supervised:
     port: int
     log_dir: Path
     env: dict[str, str]
+    endpoints: dict[str, str]
 
     def ctl(self, *args: str) -> str:
         cmd = [sys.executable, "-m", "supervisor.supervisorctl", "-c", str(self.conf), *args]
@@ -58,6 +63,26 @@ class Supervised:
             conn.close()
         assert resp.status == 200, data
         return json.loads(data)
+
+    def try_complete(self, prompt: str, max_tokens: int) -> object:
+        """The HTTP status of one completion, or "dropped" when the connection broke."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=170)
+        try:
+            body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = json.loads(resp.read())
+        except (OSError, http.client.HTTPException):
+            return "dropped"
+        finally:
+            conn.close()
+        if resp.status == 200:
+            assert data["usage"]["completion_tokens"] == max_tokens, data
+        return resp.status
+
+    def cache_stats(self) -> CacheStats:
+        """The cache controller's pool occupancy, with an invariant check."""
+        return ServerProcess(None, self.endpoints, self.log_dir / "none.log").cache_stats(check_invariants=True)  # type: ignore[arg-type]
 
     def wait_serving(self, prompt: str, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -97,10 +122,9 @@ def supervised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervised]
     model = make_checkpoint("nemotron_h", tmp / "model", preset="tiny", seed=0)
     tag = uuid.uuid4().hex[:12]
     port = _free_port()
-    endpoints = "\n".join(
-        f'{n} = "ipc://@himamba-test-{tag}-{n}"'
-        for n in ("zmq_endpoint", "tokenizer_ipc", "scheduler_ipc", "worker_ipc", "cache_ipc", "control_ipc")
-    )
+    names = ("zmq_endpoint", "tokenizer_ipc", "scheduler_ipc", "worker_ipc", "cache_ipc", "control_ipc")
+    endpoint_map = {n: f"ipc://@himamba-test-{tag}-{n}" for n in names}
+    endpoints = "\n".join(f'{n} = "{e}"' for n, e in endpoint_map.items())
     config_path = tmp / "himamba.toml"
     config_path.write_text(
         f'[model]\nmodel = "{model}"\ntorch_threads = 1\n\n[endpoints]\n{endpoints}\n\n'
@@ -111,7 +135,7 @@ def supervised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervised]
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     cmd = [sys.executable, "-m", "supervisor.supervisord", "-n", "-c", str(conf)]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    sv = Supervised(proc, conf, port, tmp / "log", env)
+    sv = Supervised(proc, conf, port, tmp / "log", env, endpoint_map)
     try:
         yield sv
     finally:
@@ -151,6 +175,44 @@ def test_services_wait_for_a_late_worker_then_serve_and_survive_its_kill(supervi
     assert again["usage"]["completion_tokens"] == 3
     assert supervised.log("worker").count("ready") >= 2
     assert new != old
+
+
+# What a request running through the kill gets: the cache controller's restart is invisible
+# (the request is requeued and recomputed); a scheduler restart fails a request that already has
+# output with a retryable 503 (one without output is sent again); a dead front door drops the
+# connection.
+OUTCOMES = {"cache": {200}, "scheduler": {200, 503}, "tokenizer": {"dropped"}}
+
+
+@pytest.mark.parametrize("victim", ["cache", "scheduler", "tokenizer"])
+def test_any_killed_service_comes_back_and_serving_resumes(supervised: Supervised, victim: str):
+    """kill -9 of one service while a request runs: supervisord restarts it, the others notice,
+    the running request ends as it should, the server answers again with the same greedy tokens,
+    and nothing stays allocated."""
+    before = supervised.wait_serving("def again(z):", timeout_s=120)
+    outcome: list[object] = []
+    running = threading.Thread(target=lambda: outcome.append(supervised.try_complete("def long(w):", 400)))
+    running.start()
+    time.sleep(1.0)
+    old = supervised.pid(victim)
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while supervised.pid(victim) in (0, old):
+        assert time.monotonic() < deadline, f"supervisord did not restart the {victim}"
+        time.sleep(0.2)
+    running.join(timeout=180)
+    assert not running.is_alive(), "the request running through the kill never ended"
+    assert outcome[0] in OUTCOMES[victim], outcome
+    after = supervised.wait_serving("def again(z):", timeout_s=120)
+    assert after["choices"][0]["text"] == before["choices"][0]["text"]
+    assert after["usage"]["completion_tokens"] == 3
+    deadline = time.monotonic() + 60
+    while (stats := supervised.cache_stats()).running_requests:
+        assert time.monotonic() < deadline, f"requests still hold memory: {stats}"
+        time.sleep(0.5)
+    assert stats.invariants_ok, stats.invariants_error
+    assert stats.free_pages + stats.cached_pages == stats.total_pages, stats
+    assert stats.free_slots + stats.cached_slots == stats.total_slots, stats
 
 
 def test_sigterm_stops_every_service_cleanly(supervised: Supervised):
