@@ -1,7 +1,7 @@
 """Process faults under `himamba serve`: `kill -9` of any one service, while a request streams,
 takes the whole server down cleanly: a non-zero exit within ~5 s, a log line naming the dead
 service, and no service process left behind. (Under supervisord the dead service is restarted
-instead; tests/http and the supervisor tests own that case.)"""
+instead: tests/ops/test_supervisord.py.)"""
 
 from __future__ import annotations
 
