@@ -1,25 +1,34 @@
-"""Checks shared by the issue-8 family tests: parity with transformers, batching, and the prefix-cache
+"""Checks shared by the family tests: parity with transformers, batching, and the prefix-cache
 behaviours every family must have (split prefill, captures, restored captures, host-tier copies).
 
-Helpers only (no tests here); each family's test file calls them on its own models. States are
+Each family's test file builds its checkpoints with `family_checkpoints` and takes the tests every
+family runs from `prefill_parity_test`, `greedy_parity_test` and `cache_behaviour_test`. States are
 compared component by component, whatever the layer kind names them ("conv", "ssm", "recurrent").
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from himamba.common.host_layout import HostPoolLayout
 from himamba.common.messages import Transfer
+from himamba.services.modelgen.checkpoint import make_checkpoint
 from himamba.services.worker.forward_batch import Capture
 from himamba.services.worker.host_transfer import HostTransfer, host_layout
+from himamba.services.worker.loader import load_model
 from himamba.services.worker.models.base import HybridModel
 from tests.worker.harness import Harness, Sequence
-from tests.worker.hf_reference import greedy, last_logits
+from tests.worker.hf_reference import greedy, last_logits, load_reference, save_tiny
 
 LOGIT_TOL = 1e-4
+PROMPT_LENGTHS = (1, 7, 64, 300, 700)
+# transformers' generate is slow on long prompts: variants generate from prompts up to 300 tokens.
+SHORT_PROMPT_LENGTHS = (1, 7, 64, 300)
 
 
 def prompt(vocab: int, length: int, seed: int) -> list[int]:
@@ -206,3 +215,65 @@ def assert_fresh_sequence_ignores_its_slot(model: HybridModel) -> None:
         for t in layer.values():
             t.fill_(3.0)
     torch.testing.assert_close(dirty.prefill([dirty.new_sequence()], [ids]), expected)
+
+
+CACHE_CHECKS = (
+    assert_batch_equals_one_by_one,
+    assert_split_prefill_equals_one_prefill,
+    assert_captures_equal_prefix_prefills,
+    assert_restored_capture_continues,
+    assert_host_round_trip_continues,
+    assert_fresh_sequence_ignores_its_slot,
+)
+
+
+def family_checkpoints(
+    root: Path, arch: str, architecture: str, variant: str, modelgen_seed: int = 3, **overrides: Any
+) -> dict[str, Path]:
+    """A family's checkpoints under `root`: "transformers" (its tiny config), `variant` (the tiny config
+    with `overrides`, seed 1) and "modelgen" (our checkpoint maker's tiny preset of `arch`)."""
+    return {
+        "transformers": save_tiny(architecture, root / "hf"),
+        variant: save_tiny(architecture, root / "variant", seed=1, **overrides),
+        "modelgen": make_checkpoint(arch, root / "gen", preset="tiny", seed=modelgen_seed),
+    }
+
+
+def load_sources(paths: Mapping[str, Path]) -> dict[str, tuple[HybridModel, Any]]:
+    """Each checkpoint as (our model, transformers' model)."""
+    return {name: (load_model(path), load_reference(path)) for name, path in paths.items()}
+
+
+def prefill_parity_test(sources: tuple[str, ...]) -> Callable[..., None]:
+    """The test of prefill logits against transformers for each of `sources` (a `models` fixture's keys)."""
+
+    @pytest.mark.parametrize("source", sources)
+    def test_prefill_logits_match_transformers(models: dict, source: str) -> None:
+        ours, ref = models[source]
+        assert_prefill_parity(ours, ref, PROMPT_LENGTHS)
+
+    return test_prefill_logits_match_transformers
+
+
+def greedy_parity_test(
+    sources: tuple[str, ...], long_sources: tuple[str, ...] = ("transformers",)
+) -> Callable[..., None]:
+    """The test of batched greedy generation against transformers for each of `sources`; prompts of up
+    to 700 tokens for `long_sources`, up to 300 for the others."""
+
+    @pytest.mark.parametrize("source", sources)
+    def test_greedy_generation_matches_transformers(models: dict, source: str) -> None:
+        ours, ref = models[source]
+        assert_greedy_parity(ours, ref, PROMPT_LENGTHS if source in long_sources else SHORT_PROMPT_LENGTHS)
+
+    return test_greedy_generation_matches_transformers
+
+
+def cache_behaviour_test() -> Callable[..., None]:
+    """The test running every one of CACHE_CHECKS on the "transformers" model of a `models` fixture."""
+
+    @pytest.mark.parametrize("check", CACHE_CHECKS, ids=lambda c: c.__name__.removeprefix("assert_"))
+    def test_cache_behaviour(models: dict, check: Callable[[HybridModel], None]) -> None:
+        check(models["transformers"][0])
+
+    return test_cache_behaviour

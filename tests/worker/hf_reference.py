@@ -1,4 +1,5 @@
-"""transformers as the reference: tiny random checkpoints saved by `save_pretrained`, and its outputs.
+"""transformers as the reference: tiny random checkpoints of every family saved by `save_pretrained`,
+and its outputs.
 
 Every parameter is perturbed away from its init constant before saving (norm weights, D, biases,
 router correction bias), so a swapped or skipped parameter cannot hide behind a value of 1 or 0.
@@ -6,7 +7,9 @@ router correction bias), so a swapped or skipped parameter cannot hide behind a 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -27,76 +30,218 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.05 * noise)
 
 
-def save_nemotron_h(out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
-    """A tiny NemotronH with every layer kind (MoE with latent projections and group routing)."""
-    from transformers import NemotronHConfig, NemotronHForCausalLM
+# The tiny configs, by transformers architecture (`<name>Config`, `<name>ForCausalLM`); `save_tiny`
+# adds HF_VOCAB and special token ids 0.
+TINY_CONFIGS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {
+        # Every NemotronH layer kind (MoE with latent projections and group routing).
+        "NemotronH": MappingProxyType(
+            {
+                "hidden_size": 64,
+                "layers_block_type": [
+                    "linear_attention",
+                    "moe",
+                    "full_attention",
+                    "mlp",
+                    "linear_attention",
+                    "full_attention",
+                ],
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "intermediate_size": 96,
+                "mamba_num_heads": 8,
+                "mamba_head_dim": 16,
+                "ssm_state_size": 16,
+                "n_groups": 2,
+                "chunk_size": 16,
+                "n_routed_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "moe_shared_expert_intermediate_size": 48,
+                "moe_latent_size": 32,
+                "n_group": 2,
+                "topk_group": 1,
+                "routed_scaling_factor": 2.5,
+            }
+        ),
+        # A dense Granite-4.0-H with rope, GQA and non-trivial multipliers.
+        "GraniteMoeHybrid": MappingProxyType(
+            {
+                "hidden_size": 64,
+                "num_hidden_layers": 4,
+                "layer_types": ["mamba", "attention", "mamba", "attention"],
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "shared_intermediate_size": 96,
+                "intermediate_size": 32,
+                "num_local_experts": 0,
+                "mamba_n_heads": 8,
+                "mamba_d_state": 16,
+                "mamba_n_groups": 2,
+                "mamba_chunk_size": 16,
+                "position_embedding_type": "rope",
+                "embedding_multiplier": 12.0,
+                "residual_multiplier": 0.22,
+                "attention_multiplier": 0.0625,
+                "logits_scaling": 4.0,
+            }
+        ),
+        # Bamba with two attention layers (partial rope, GQA) among Mamba2 layers of two groups.
+        "Bamba": MappingProxyType(
+            {
+                "hidden_size": 64,
+                "intermediate_size": 96,
+                "num_hidden_layers": 4,
+                "attn_layer_indices": [1, 3],
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "mamba_n_heads": 8,
+                "mamba_d_state": 16,
+                "mamba_n_groups": 2,
+                "mamba_chunk_size": 16,
+            }
+        ),
+        # FalconH1 (attention and Mamba2 in parallel in every layer) with non-trivial muP multipliers.
+        "FalconH1": MappingProxyType(
+            {
+                "hidden_size": 64,
+                "intermediate_size": 96,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "mamba_d_ssm": 96,
+                "mamba_n_heads": 6,
+                "mamba_d_state": 16,
+                "mamba_n_groups": 2,
+                "mamba_chunk_size": 16,
+                "mamba_rms_norm": True,
+                "mamba_norm_before_gate": False,
+                "embedding_multiplier": 2.5,
+                "lm_head_multiplier": 0.7,
+                "mlp_multipliers": [1.3, 0.6],
+                "key_multiplier": 0.8,
+                "attention_in_multiplier": 1.2,
+                "attention_out_multiplier": 0.9,
+                "ssm_multipliers": [1.1, 0.9, 1.2, 0.8, 1.05],
+                "ssm_in_multiplier": 1.15,
+                "ssm_out_multiplier": 0.85,
+            }
+        ),
+        # Qwen3-Next: gated DeltaNet (Hv = 2 Hk) and gated attention, MoE with a gated shared expert.
+        "Qwen3Next": MappingProxyType(
+            {
+                "hidden_size": 64,
+                "intermediate_size": 96,
+                "num_hidden_layers": 4,
+                "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "linear_conv_kernel_dim": 4,
+                "linear_key_head_dim": 16,
+                "linear_value_head_dim": 16,
+                "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [2],
+                "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 48,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+            }
+        ),
+        # A pure Mamba2 LM (no attention layer at all).
+        "Mamba2": MappingProxyType(
+            {
+                "hidden_size": 64,
+                "num_hidden_layers": 3,
+                "num_heads": 8,
+                "head_dim": 16,
+                "state_size": 16,
+                "n_groups": 2,
+                "chunk_size": 16,
+            }
+        ),
+        # Zamba2 with two shared transformer blocks used at three depths, adapters and rope.
+        "Zamba2": MappingProxyType(
+            {
+                "hidden_size": 64,
+                "intermediate_size": 96,
+                "num_hidden_layers": 6,
+                "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid", "mamba", "hybrid"],
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "mamba_d_state": 16,
+                "n_mamba_heads": 4,
+                "mamba_ngroups": 1,
+                "chunk_size": 16,
+                "num_mem_blocks": 2,
+                "use_shared_attention_adapter": True,
+                "adapter_rank": 8,
+                "use_mem_rope": True,
+            }
+        ),
+        # LFM2: short-conv layers and attention layers with q/k norms.
+        "Lfm2": MappingProxyType(
+            {
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 4,
+                "full_attn_idxs": [1, 3],
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "conv_L_cache": 3,
+                "block_multiple_of": 32,
+            }
+        ),
+        # Jamba: Mamba1 layers with inner norms, one attention layer, MoE every other layer.
+        "Jamba": MappingProxyType(
+            {
+                "hidden_size": 32,
+                "intermediate_size": 48,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "attn_layer_period": 4,
+                "attn_layer_offset": 2,
+                "expert_layer_period": 2,
+                "expert_layer_offset": 1,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "mamba_d_state": 8,
+                "mamba_d_conv": 4,
+                "mamba_expand": 2,
+            }
+        ),
+    }
+)
+_SPECIAL_IDS = MappingProxyType({"eos_token_id": 0, "bos_token_id": 0, "pad_token_id": 0})
 
-    kwargs: dict[str, Any] = dict(
-        vocab_size=HF_VOCAB,
-        hidden_size=64,
-        layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=96,
-        mamba_num_heads=8,
-        mamba_head_dim=16,
-        ssm_state_size=16,
-        n_groups=2,
-        chunk_size=16,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        moe_shared_expert_intermediate_size=48,
-        moe_latent_size=32,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        eos_token_id=0,
-        bos_token_id=0,
-        pad_token_id=0,
-    )
-    kwargs.update(overrides)
+
+def save_tiny(architecture: str, out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Save transformers' `<architecture>ForCausalLM` with its tiny config (keys in `overrides` replaced)
+    and random weights; returns `out_dir`."""
+    import transformers
+
+    config = {"vocab_size": HF_VOCAB, **TINY_CONFIGS[architecture], **_SPECIAL_IDS, **overrides}
     torch.manual_seed(seed)
-    model = NemotronHForCausalLM(NemotronHConfig(**kwargs))
+    model = getattr(transformers, f"{architecture}ForCausalLM")(
+        getattr(transformers, f"{architecture}Config")(**config)
+    )
     _perturb(model, seed)
     model.save_pretrained(out_dir)
     return Path(out_dir)
+
+
+def save_nemotron_h(out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
+    """The tiny NemotronH (every layer kind)."""
+    return save_tiny("NemotronH", out_dir, seed, **overrides)
 
 
 def save_granite_hybrid(out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
-    """A tiny dense Granite-4.0-H with rope, GQA and non-trivial multipliers."""
-    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
-
-    kwargs: dict[str, Any] = dict(
-        vocab_size=HF_VOCAB,
-        hidden_size=64,
-        num_hidden_layers=4,
-        layer_types=["mamba", "attention", "mamba", "attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        shared_intermediate_size=96,
-        intermediate_size=32,
-        num_local_experts=0,
-        mamba_n_heads=8,
-        mamba_d_state=16,
-        mamba_n_groups=2,
-        mamba_chunk_size=16,
-        position_embedding_type="rope",
-        embedding_multiplier=12.0,
-        residual_multiplier=0.22,
-        attention_multiplier=0.0625,
-        logits_scaling=4.0,
-        eos_token_id=0,
-        bos_token_id=0,
-        pad_token_id=0,
-    )
-    kwargs.update(overrides)
-    torch.manual_seed(seed)
-    model = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(**kwargs))
-    _perturb(model, seed)
-    model.save_pretrained(out_dir)
-    return Path(out_dir)
+    """The tiny dense Granite-4.0-H."""
+    return save_tiny("GraniteMoeHybrid", out_dir, seed, **overrides)
 
 
 def load_reference(model_dir: Path) -> Any:

@@ -8,61 +8,46 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
-from himamba.services.modelgen.checkpoint import make_checkpoint
 from himamba.services.worker.loader import load_model
 from himamba.services.worker.models.granite_hybrid import GraniteHybridConfig
+from tests.worker import family_checks as checks
 from tests.worker.harness import Harness
-from tests.worker.hf_reference import greedy, last_logits, load_reference, save_granite_hybrid
+from tests.worker.hf_reference import greedy, last_logits
 
-PROMPT_LENGTHS = (1, 7, 64, 300, 700)
 SOURCES = ("transformers", "transformers_moe", "modelgen")
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("granite")
-    return {
-        "transformers": save_granite_hybrid(root / "hf"),
-        "transformers_moe": save_granite_hybrid(
-            root / "hf_moe",
-            seed=1,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            position_embedding_type=None,
-            tie_word_embeddings=True,
-            attention_bias=True,
-            layer_types=["attention", "mamba", "mamba"],
-            num_hidden_layers=3,
-        ),
-        "modelgen": make_checkpoint("granite_hybrid", root / "gen", preset="tiny", seed=4),
-    }
+    return checks.family_checkpoints(
+        tmp_path_factory.mktemp("granite"),
+        "granite_hybrid",
+        "GraniteMoeHybrid",
+        "transformers_moe",
+        modelgen_seed=4,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        position_embedding_type=None,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        layer_types=["attention", "mamba", "mamba"],
+        num_hidden_layers=3,
+    )
 
 
 @pytest.fixture(scope="module")
 def models(checkpoints: dict[str, Path]) -> dict[str, tuple[object, object]]:
-    return {name: (load_model(path), load_reference(path)) for name, path in checkpoints.items()}
+    return checks.load_sources(checkpoints)
 
 
-def _prompt(vocab: int, length: int, seed: int) -> list[int]:
-    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@pytest.mark.parametrize("source", SOURCES)
-def test_prefill_logits_match_transformers(models: dict, source: str) -> None:
-    ours, ref = models[source]
-    for length in PROMPT_LENGTHS:
-        ids = _prompt(ours.vocab_size, length, seed=length)
-        harness = Harness(ours, num_pages=64)
-        logits = harness.prefill([harness.new_sequence()], [ids])
-        assert (logits[0] - last_logits(ref, ids)).abs().max().item() < 1e-4, f"prompt length {length}"
+test_prefill_logits_match_transformers = checks.prefill_parity_test(SOURCES)
 
 
 @pytest.mark.parametrize("source", SOURCES)
 def test_greedy_generation_matches_transformers(models: dict, source: str) -> None:
     ours, ref = models[source]
-    ids = _prompt(ours.vocab_size, 40, seed=12)
+    ids = checks.prompt(ours.vocab_size, 40, seed=12)
     assert Harness(ours).generate_greedy([ids], 32) == [greedy(ref, ids, 32)]
 
 
@@ -90,7 +75,7 @@ def test_published_config_spellings_load_the_same_model(
     original, ref = models["transformers"]
     respelled = load_model(dst)
     assert respelled.config == original.config
-    ids = _prompt(original.vocab_size, 20, seed=6)
+    ids = checks.prompt(original.vocab_size, 20, seed=6)
     harness = Harness(respelled)
     logits = harness.prefill([harness.new_sequence()], [ids])
     assert (logits[0] - last_logits(ref, ids)).abs().max().item() < 1e-4

@@ -13,10 +13,9 @@ import torch
 from himamba.services.modelgen.checkpoint import make_checkpoint
 from himamba.services.worker.loader import load_model
 from himamba.services.worker.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
+from tests.worker import family_checks as checks
 from tests.worker.harness import Harness
-from tests.worker.hf_reference import greedy, last_logits, load_reference, save_nemotron_h
-
-PROMPT_LENGTHS = (1, 7, 64, 300, 700)
+from tests.worker.hf_reference import greedy, last_logits, save_nemotron_h
 
 
 @pytest.fixture(scope="module")
@@ -30,29 +29,16 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def models(checkpoints: dict[str, Path]) -> dict[str, tuple[NemotronHForCausalLM, object]]:
-    return {name: (load_model(path), load_reference(path)) for name, path in checkpoints.items()}
+    return checks.load_sources(checkpoints)
 
 
-def _prompt(vocab: int, length: int, seed: int) -> list[int]:
-    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@pytest.mark.parametrize("source", ["transformers", "modelgen"])
-def test_prefill_logits_match_transformers(models: dict, source: str) -> None:
-    ours, ref = models[source]
-    for length in PROMPT_LENGTHS:
-        ids = _prompt(ours.vocab_size, length, seed=length)
-        harness = Harness(ours, num_pages=64)
-        logits = harness.prefill([harness.new_sequence()], [ids])
-        expected = last_logits(ref, ids)
-        assert logits.shape == (1, ours.vocab_size)
-        assert (logits[0] - expected).abs().max().item() < 1e-4, f"prompt length {length}"
+test_prefill_logits_match_transformers = checks.prefill_parity_test(("transformers", "modelgen"))
 
 
 @pytest.mark.parametrize("source", ["transformers", "modelgen"])
 def test_greedy_generation_matches_transformers(models: dict, source: str) -> None:
     ours, ref = models[source]
-    ids = _prompt(ours.vocab_size, 40, seed=11)
+    ids = checks.prompt(ours.vocab_size, 40, seed=11)
     expected = greedy(ref, ids, 32)
     assert Harness(ours).generate_greedy([ids], 32) == [expected]
 
@@ -99,7 +85,7 @@ def test_published_config_spellings_load_the_same_model(
     original, ref = models["transformers"]
     respelled = load_model(_respell(checkpoints["transformers"], tmp_path / "ckpt", edit))
     assert respelled.config == original.config
-    ids = _prompt(original.vocab_size, 20, seed=5)
+    ids = checks.prompt(original.vocab_size, 20, seed=5)
     harness = Harness(respelled)
     logits = harness.prefill([harness.new_sequence()], [ids])
     assert (logits[0] - last_logits(ref, ids)).abs().max().item() < 1e-4

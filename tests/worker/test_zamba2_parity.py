@@ -8,54 +8,40 @@ from pathlib import Path
 
 import pytest
 
-from himamba.services.modelgen.checkpoint import make_checkpoint
 from himamba.services.worker.loader import load_model
 from himamba.services.worker.models.zamba2 import Zamba2Config
 from tests.worker import family_checks as checks
 from tests.worker.harness import Harness
-from tests.worker.hf_reference import last_logits, load_reference
-from tests.worker.hf_reference_more import save_zamba2
+from tests.worker.hf_reference import last_logits
 
-PROMPT_LENGTHS = (1, 7, 64, 300, 700)
 SOURCES = ("transformers", "transformers_plain", "modelgen")
 
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("zamba2")
-    return {
-        "transformers": save_zamba2(root / "hf"),
-        "transformers_plain": save_zamba2(
-            root / "plain",
-            seed=1,
-            num_mem_blocks=1,
-            use_shared_attention_adapter=False,
-            use_mem_rope=False,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-            hidden_act="silu",
-            layers_block_type=["hybrid", "mamba", "hybrid"],
-            num_hidden_layers=3,
-        ),
-        "modelgen": make_checkpoint("zamba2", root / "gen", preset="tiny", seed=3),
-    }
+    return checks.family_checkpoints(
+        tmp_path_factory.mktemp("zamba2"),
+        "zamba2",
+        "Zamba2",
+        "transformers_plain",
+        num_mem_blocks=1,
+        use_shared_attention_adapter=False,
+        use_mem_rope=False,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        layers_block_type=["hybrid", "mamba", "hybrid"],
+        num_hidden_layers=3,
+    )
 
 
 @pytest.fixture(scope="module")
 def models(paths: dict[str, Path]) -> dict[str, tuple[object, object]]:
-    return {name: (load_model(path), load_reference(path)) for name, path in paths.items()}
+    return checks.load_sources(paths)
 
 
-@pytest.mark.parametrize("source", SOURCES)
-def test_prefill_logits_match_transformers(models: dict, source: str) -> None:
-    ours, ref = models[source]
-    checks.assert_prefill_parity(ours, ref, PROMPT_LENGTHS)
-
-
-@pytest.mark.parametrize("source", SOURCES)
-def test_greedy_generation_matches_transformers(models: dict, source: str) -> None:
-    ours, ref = models[source]
-    checks.assert_greedy_parity(ours, ref, PROMPT_LENGTHS if source == "transformers" else (1, 7, 64, 300))
+test_prefill_logits_match_transformers = checks.prefill_parity_test(SOURCES)
+test_greedy_generation_matches_transformers = checks.greedy_parity_test(SOURCES)
 
 
 def test_shared_blocks_have_one_weight_and_one_kv_layer_per_use(models: dict) -> None:
@@ -90,20 +76,7 @@ def test_a_checkpoint_repeating_the_shared_block_loads(paths: dict[str, Path], m
     assert (logits[0] - last_logits(models["transformers"][1], ids)).abs().max().item() < checks.LOGIT_TOL
 
 
-@pytest.mark.parametrize(
-    "check",
-    [
-        checks.assert_batch_equals_one_by_one,
-        checks.assert_split_prefill_equals_one_prefill,
-        checks.assert_captures_equal_prefix_prefills,
-        checks.assert_restored_capture_continues,
-        checks.assert_host_round_trip_continues,
-        checks.assert_fresh_sequence_ignores_its_slot,
-    ],
-    ids=lambda c: c.__name__.removeprefix("assert_"),
-)
-def test_cache_behaviour(models: dict, check) -> None:
-    check(models["transformers"][0])
+test_cache_behaviour = checks.cache_behaviour_test()
 
 
 def test_untied_blocks_are_per_layer_as_in_transformers(models: dict) -> None:

@@ -10,26 +10,27 @@ top-k weights not renormalised. Checkpoints may store experts stacked or per exp
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from himamba.services.worker.forward_batch import ForwardBatch
 from himamba.services.worker.layers.attention import PagedAttention
-from himamba.services.worker.layers.embedding import LMHead, VocabEmbedding
 from himamba.services.worker.layers.gated_mlp import GatedMLP
 from himamba.services.worker.layers.mamba1 import Mamba1Mixer
 from himamba.services.worker.layers.moe import RoutedExperts
 from himamba.services.worker.layers.norm import RMSNorm
 from himamba.services.worker.layers.softmax_router import SoftmaxRouter
-from himamba.services.worker.models.batch_checks import check_batch
-from himamba.services.worker.models.expert_weights import merge_expert_weights, stacked_row
 from himamba.services.worker.models.hf_config import ConfigFields
-from himamba.services.worker.models.weight_loading import WeightTarget, load_named_weights
-from himamba.services.worker.pools import KVPool, KVSpec, StatePool, StateSpec
+from himamba.services.worker.models.hybrid_decoder import (
+    HybridDecoderLM,
+    LayerNames,
+    MixerLayer,
+    StackNames,
+    pool_layout,
+)
 
 
 def _period(f: ConfigFields, period_name: str, offset_name: str, default: tuple[int, int]) -> tuple[int, int]:
@@ -117,12 +118,13 @@ class JambaMoE(nn.Module):
         return self.experts(x, self.router(x))
 
 
-class JambaLayer(nn.Module):
+class JambaLayer(MixerLayer):
     """One decoder layer; exactly one of `mamba` / `self_attn` is set (HF's attribute names)."""
 
+    names = LayerNames(mixer_norm="input_layernorm", recurrent="mamba", ffn_norm="pre_ff_layernorm", ffn="feed_forward")
+
     def __init__(self, cfg: JambaConfig, index: int, pool_index: int, device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.pool_index = pool_index
+        super().__init__(pool_index)
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, device, dtype)
         self.pre_ff_layernorm = RMSNorm(h, cfg.rms_norm_eps, device, dtype)
@@ -160,73 +162,17 @@ class JambaLayer(nn.Module):
         )
 
 
-class _Backbone(nn.Module):
-    def __init__(self, embed_tokens: VocabEmbedding, layers: list[JambaLayer], final_layernorm: RMSNorm) -> None:
-        super().__init__()
-        self.embed_tokens = embed_tokens
-        self.layers = nn.ModuleList(layers)
-        self.final_layernorm = final_layernorm
-
-
-class JambaForCausalLM(nn.Module):
+class JambaForCausalLM(HybridDecoderLM):
     """Jamba as a `HybridModel`. Parameters are allocated uninitialised; call `load_weights`."""
 
+    config_type = JambaConfig
+    stack_names = StackNames(embed="embed_tokens", final_norm="final_layernorm")
+    skipped_suffixes = ()  # no rope, so no rotary buffers
+    merges_expert_weights = True
+
     def __init__(self, cfg: JambaConfig, device: torch.device | str, dtype: torch.dtype) -> None:
-        super().__init__()
+        super().__init__(cfg, dtype)
         device = torch.device(device)
-        self.config = cfg
-        self.dtype = dtype
-        self.vocab_size = cfg.vocab_size
-        layers = []
-        counts = {"attention": 0, "mamba": 0}
-        for i, kind in enumerate(cfg.layer_kinds):
-            layers.append(JambaLayer(cfg, i, counts[kind], device, dtype))
-            counts[kind] += 1
-        self.num_attention_layers = counts["attention"]
-        self.num_mamba_layers = counts["mamba"]
-        embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, device, dtype)
-        self.model = _Backbone(embed, layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype))
-        self.lm_head = LMHead(
-            cfg.vocab_size, cfg.hidden_size, device, dtype, tied_to=embed if cfg.tie_word_embeddings else None
-        )
-
-    @classmethod
-    def from_hf_config(cls, raw: Mapping[str, Any], device: torch.device | str, dtype: torch.dtype) -> JambaForCausalLM:
-        """Build the (uninitialised) model from a raw config.json dict."""
-        return cls(JambaConfig.from_hf(raw), device, dtype)
-
-    def kv_spec(self) -> KVSpec:
-        """KV pool shape: one entry per attention layer, in model order."""
-        return KVSpec(self.num_attention_layers, self.config.num_key_value_heads, self.config.head_dim, self.dtype)
-
-    def state_spec(self) -> StateSpec:
-        """State pool shape: "conv" and "ssm" per Mamba1 layer, in model order."""
-        return StateSpec(
-            tuple(layer.mamba.state_components() for layer in self.model.layers if layer.mamba is not None)
-        )
-
-    def forward(self, batch: ForwardBatch, kv: KVPool, state: StatePool) -> torch.Tensor:
-        """Logits [B, vocab] (float32) of each sequence's last new token; updates the pools."""
-        check_batch(batch, kv, state, self.num_attention_layers, self.num_mamba_layers)
-        with torch.inference_mode():
-            h = self.model.embed_tokens(batch.input_ids)
-            for layer in self.model.layers:
-                x = layer.input_layernorm(h)
-                if layer.mamba is not None:
-                    x = layer.mamba(x, batch, state.tensors[layer.pool_index])
-                else:
-                    x = layer.self_attn(x, batch, kv.k[layer.pool_index], kv.v[layer.pool_index])
-                h = h + x
-                h = h + layer.feed_forward(layer.pre_ff_layernorm(h))
-            last = h.index_select(0, batch.last_token_index.to(h.device))
-            return self.lm_head(self.model.final_layernorm(last))
-
-    def _resolve(self, hf_name: str) -> WeightTarget | None:
-        if hf_name == "lm_head.weight" and self.lm_head.is_tied:
-            return None
-        return stacked_row(hf_name) or WeightTarget(hf_name)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors (stacked or per-expert MoE layouts); raises ValueError naming missing
-        or unexpected weights."""
-        load_named_weights(self, merge_expert_weights(weights), self._resolve)
+        pools = pool_layout(cfg.layer_kinds, "mamba")
+        layers = [JambaLayer(cfg, i, pool, device, dtype) for i, pool in enumerate(pools.indices)]
+        self.attach_stack(layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype), device, pools.sizes)

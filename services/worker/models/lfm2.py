@@ -10,27 +10,29 @@ apply full rope (theta 1e6 by default) and project out with `out_proj`; the MLP 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 import torch
-from torch import nn
 
 from himamba.services.worker.forward_batch import ForwardBatch
-from himamba.services.worker.layers.embedding import LMHead, VocabEmbedding
 from himamba.services.worker.layers.gated_mlp import GatedMLP
-from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.norm import RMSNorm
-from himamba.services.worker.layers.paged_attend import paged_attend
 from himamba.services.worker.layers.partial_rotary import PartialRotaryEmbedding
+from himamba.services.worker.layers.projected_attention import ProjectedAttention
 from himamba.services.worker.layers.short_conv import ShortConv
-from himamba.services.worker.models.batch_checks import check_batch
 from himamba.services.worker.models.hf_config import ConfigFields
+from himamba.services.worker.models.hybrid_decoder import (
+    HybridDecoderLM,
+    LayerNames,
+    MixerLayer,
+    StackNames,
+    pool_layout,
+)
 from himamba.services.worker.models.rope_params import RopeSettings, rope_settings
-from himamba.services.worker.models.weight_loading import WeightTarget, load_named_weights
-from himamba.services.worker.pools import KVPool, KVSpec, StatePool, StateSpec
+from himamba.services.worker.models.weight_loading import WeightTarget
 
 _KINDS = MappingProxyType({"conv": "conv", "full_attention": "attention"})
 # LFM2's MLP names -> GatedMLP's.
@@ -114,23 +116,13 @@ class Lfm2Config:
         )
 
 
-class Lfm2Attention(nn.Module):
-    """Attention with per-head q/k RMS norms and full rope, over the paged KV pool."""
+class Lfm2Attention(ProjectedAttention):
+    """Attention with per-head q/k RMS norms and full rope, projected out by `out_proj`."""
 
     def __init__(self, cfg: Lfm2Config, device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads != 0:
-            raise ValueError(
-                f"num_key_value_heads ({self.num_kv_heads}) must divide num_attention_heads ({self.num_heads})"
-            )
-        self.head_dim = hd
-        self.q_proj = Linear(h, self.num_heads * hd, False, device, dtype)
-        self.k_proj = Linear(h, self.num_kv_heads * hd, False, device, dtype)
-        self.v_proj = Linear(h, self.num_kv_heads * hd, False, device, dtype)
-        self.out_proj = Linear(self.num_heads * hd, h, False, device, dtype)
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        super().__init__(h, h, heads, kv_heads, hd, False, device, dtype, out_name="out_proj")
         self.q_layernorm = RMSNorm(hd, cfg.norm_eps, device, dtype)
         self.k_layernorm = RMSNorm(hd, cfg.norm_eps, device, dtype)
         self.rotary: PartialRotaryEmbedding = cfg.rope.rotary(hd, device)
@@ -138,21 +130,18 @@ class Lfm2Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        tokens = x.shape[0]
-        q = self.q_layernorm(self.q_proj(x).view(tokens, self.num_heads, self.head_dim))
-        k = self.k_layernorm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(q, k, batch.positions)
-        out = paged_attend(q, k, v, batch, k_cache, v_cache, self.head_dim**-0.5)
-        return self.out_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        q, k, v = self.split_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k = self.rotary(self.q_layernorm(q), self.k_layernorm(k), batch.positions)
+        return self.out_proj(self.attend(q, k, v, batch, k_cache, v_cache, self.head_dim**-0.5))
 
 
-class Lfm2Layer(nn.Module):
+class Lfm2Layer(MixerLayer):
     """One decoder layer; exactly one of `conv` / `self_attn` is set (HF's attribute names)."""
 
+    names = LayerNames(mixer_norm="operator_norm", recurrent="conv", ffn_norm="ffn_norm", ffn="feed_forward")
+
     def __init__(self, cfg: Lfm2Config, kind: str, pool_index: int, device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.pool_index = pool_index
+        super().__init__(pool_index)
         h = cfg.hidden_size
         self.operator_norm = RMSNorm(h, cfg.norm_eps, device, dtype)
         self.ffn_norm = RMSNorm(h, cfg.norm_eps, device, dtype)
@@ -165,74 +154,22 @@ class Lfm2Layer(nn.Module):
             self.self_attn = Lfm2Attention(cfg, device, dtype)
 
 
-class _Backbone(nn.Module):
-    def __init__(self, embed_tokens: VocabEmbedding, layers: list[Lfm2Layer], embedding_norm: RMSNorm) -> None:
-        super().__init__()
-        self.embed_tokens = embed_tokens
-        self.layers = nn.ModuleList(layers)
-        self.embedding_norm = embedding_norm
-
-
-class Lfm2ForCausalLM(nn.Module):
+class Lfm2ForCausalLM(HybridDecoderLM):
     """LFM2 as a `HybridModel`. Parameters are allocated uninitialised; call `load_weights`."""
 
+    config_type = Lfm2Config
+    stack_names = StackNames(embed="embed_tokens", final_norm="embedding_norm")
+
     def __init__(self, cfg: Lfm2Config, device: torch.device | str, dtype: torch.dtype) -> None:
-        super().__init__()
+        super().__init__(cfg, dtype)
         device = torch.device(device)
-        self.config = cfg
-        self.dtype = dtype
-        self.vocab_size = cfg.vocab_size
-        layers = []
-        counts = {"attention": 0, "conv": 0}
-        for kind in cfg.layer_kinds:
-            layers.append(Lfm2Layer(cfg, kind, counts[kind], device, dtype))
-            counts[kind] += 1
-        self.num_attention_layers = counts["attention"]
-        self.num_conv_layers = counts["conv"]
-        embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, device, dtype)
-        self.model = _Backbone(embed, layers, RMSNorm(cfg.hidden_size, cfg.norm_eps, device, dtype))
-        self.lm_head = LMHead(
-            cfg.vocab_size, cfg.hidden_size, device, dtype, tied_to=embed if cfg.tie_word_embeddings else None
-        )
+        pools = pool_layout(cfg.layer_kinds, "conv")
+        layers = [
+            Lfm2Layer(cfg, kind, pool, device, dtype) for kind, pool in zip(cfg.layer_kinds, pools.indices, strict=True)
+        ]
+        self.attach_stack(layers, RMSNorm(cfg.hidden_size, cfg.norm_eps, device, dtype), device, pools.sizes)
 
-    @classmethod
-    def from_hf_config(cls, raw: Mapping[str, Any], device: torch.device | str, dtype: torch.dtype) -> Lfm2ForCausalLM:
-        """Build the (uninitialised) model from a raw config.json dict."""
-        return cls(Lfm2Config.from_hf(raw), device, dtype)
-
-    def kv_spec(self) -> KVSpec:
-        """KV pool shape: one entry per attention layer, in model order."""
-        return KVSpec(self.num_attention_layers, self.config.num_key_value_heads, self.config.head_dim, self.dtype)
-
-    def state_spec(self) -> StateSpec:
-        """State pool shape: "conv" per short-conv layer, in model order."""
-        return StateSpec(tuple(layer.conv.state_components() for layer in self.model.layers if layer.conv is not None))
-
-    def forward(self, batch: ForwardBatch, kv: KVPool, state: StatePool) -> torch.Tensor:
-        """Logits [B, vocab] (float32) of each sequence's last new token; updates the pools."""
-        check_batch(batch, kv, state, self.num_attention_layers, self.num_conv_layers)
-        with torch.inference_mode():
-            h = self.model.embed_tokens(batch.input_ids)
-            for layer in self.model.layers:
-                x = layer.operator_norm(h)
-                if layer.conv is not None:
-                    x = layer.conv(x, batch, state.tensors[layer.pool_index])
-                else:
-                    x = layer.self_attn(x, batch, kv.k[layer.pool_index], kv.v[layer.pool_index])
-                h = h + x
-                h = h + layer.feed_forward(layer.ffn_norm(h))
-            last = h.index_select(0, batch.last_token_index.to(h.device))
-            return self.lm_head(self.model.embedding_norm(last))
-
-    def _resolve(self, hf_name: str) -> WeightTarget | None:
-        if hf_name == "lm_head.weight" and self.lm_head.is_tied:
-            return None
-        if hf_name.endswith("rotary_emb.inv_freq"):
-            return None
+    def rename_weight(self, hf_name: str) -> WeightTarget:
         for old, new in _MLP_NAMES.items():
             hf_name = hf_name.replace(old, new)
         return WeightTarget(hf_name)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors; raises ValueError naming missing or unexpected weights."""
-        load_named_weights(self, weights, self._resolve)

@@ -9,7 +9,7 @@ pool of this model has no layers: the worker keeps pages for bookkeeping only.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,13 +17,12 @@ import torch
 from torch import nn
 
 from himamba.services.worker.forward_batch import ForwardBatch
-from himamba.services.worker.layers.embedding import LMHead, VocabEmbedding
 from himamba.services.worker.layers.mamba2 import Mamba2Mixer
 from himamba.services.worker.layers.norm import RMSNorm
-from himamba.services.worker.models.batch_checks import check_batch
 from himamba.services.worker.models.hf_config import ConfigFields
-from himamba.services.worker.models.weight_loading import WeightTarget, load_named_weights
-from himamba.services.worker.pools import KVPool, KVSpec, StatePool, StateSpec
+from himamba.services.worker.models.hybrid_decoder import HybridDecoderLM, PoolSizes, StackNames
+from himamba.services.worker.models.weight_loading import WeightTarget
+from himamba.services.worker.pools import KVPool, KVSpec, StatePool
 
 
 @dataclass(frozen=True)
@@ -81,10 +80,13 @@ class Mamba2Config:
 
 
 class Mamba2Block(nn.Module):
-    """`h + mixer(norm(h))` (HF names)."""
+    """`h + mixer(norm(h))` (HF names); the norm's input is cast to the model's dtype, since the
+    residual stream `h` may be float32."""
 
-    def __init__(self, cfg: Mamba2Config, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Mamba2Config, pool_index: int, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
+        self.pool_index = pool_index
+        self.dtype = dtype
         self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, device, dtype)
         self.mixer = Mamba2Mixer(
             hidden_size=cfg.hidden_size,
@@ -103,67 +105,45 @@ class Mamba2Block(nn.Module):
             activation=cfg.hidden_act,
         )
 
+    def recurrent_mixer(self) -> Mamba2Mixer:
+        return self.mixer
 
-class _Backbone(nn.Module):
-    def __init__(self, embeddings: VocabEmbedding, layers: list[Mamba2Block], norm_f: RMSNorm) -> None:
-        super().__init__()
-        self.embeddings = embeddings
-        self.layers = nn.ModuleList(layers)
-        self.norm_f = norm_f
+    def step(self, h: torch.Tensor, batch: ForwardBatch, kv: KVPool, state: StatePool) -> torch.Tensor:
+        return h + self.mixer(self.norm(h.to(self.dtype)), batch, state.tensors[self.pool_index])
 
 
-class Mamba2ForCausalLM(nn.Module):
+class Mamba2ForCausalLM(HybridDecoderLM):
     """Mamba2 as a `HybridModel` (with an empty KV spec). Parameters are allocated uninitialised;
     call `load_weights`."""
 
-    def __init__(self, cfg: Mamba2Config, device: torch.device | str, dtype: torch.dtype) -> None:
-        super().__init__()
-        device = torch.device(device)
-        self.config = cfg
-        self.dtype = dtype
-        self.vocab_size = cfg.vocab_size
-        embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, device, dtype)
-        layers = [Mamba2Block(cfg, device, dtype) for _ in range(cfg.num_hidden_layers)]
-        self.backbone = _Backbone(embed, layers, RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, device, dtype))
-        self.lm_head = LMHead(
-            cfg.vocab_size, cfg.hidden_size, device, dtype, tied_to=embed if cfg.tie_word_embeddings else None
-        )
+    config_type = Mamba2Config
+    stack_name = "backbone"
+    stack_names = StackNames(embed="embeddings", final_norm="norm_f")
+    skipped_suffixes = ()  # no rope, so no rotary buffers
 
-    @classmethod
-    def from_hf_config(
-        cls, raw: Mapping[str, Any], device: torch.device | str, dtype: torch.dtype
-    ) -> Mamba2ForCausalLM:
-        """Build the (uninitialised) model from a raw config.json dict."""
-        return cls(Mamba2Config.from_hf(raw), device, dtype)
+    def __init__(self, cfg: Mamba2Config, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__(cfg, dtype)
+        device = torch.device(device)
+        n = cfg.num_hidden_layers
+        self.attach_stack(
+            [Mamba2Block(cfg, i, device, dtype) for i in range(n)],
+            RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, device, dtype),
+            device,
+            PoolSizes(attention=0, recurrent=n),
+        )
 
     def kv_spec(self) -> KVSpec:
         """No attention layer: a KV spec with zero layers (pages are bookkeeping only)."""
         return KVSpec(0, 1, 1, self.dtype)
 
-    def state_spec(self) -> StateSpec:
-        """State pool shape: "conv" and "ssm" per layer."""
-        return StateSpec(tuple(layer.mixer.state_components() for layer in self.backbone.layers))
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = super().embed(input_ids)
+        return h.float() if self.config.residual_in_fp32 else h
 
-    def forward(self, batch: ForwardBatch, kv: KVPool, state: StatePool) -> torch.Tensor:
-        """Logits [B, vocab] (float32) of each sequence's last new token; updates the state pool."""
-        check_batch(batch, kv, state, 0, self.config.num_hidden_layers)
-        with torch.inference_mode():
-            h = self.backbone.embeddings(batch.input_ids)
-            if self.config.residual_in_fp32:
-                h = h.float()
-            for i, layer in enumerate(self.backbone.layers):
-                x = layer.norm(h.to(self.dtype))
-                h = h + layer.mixer(x, batch, state.tensors[i])
-            last = h.index_select(0, batch.last_token_index.to(h.device))
-            return self.lm_head(self.backbone.norm_f(last).to(self.dtype))
+    def logits(self, last: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.stack.final_norm()(last).to(self.dtype))
 
-    def _resolve(self, hf_name: str) -> WeightTarget | None:
-        if hf_name == "lm_head.weight" and self.lm_head.is_tied:
-            return None
+    def rename_weight(self, hf_name: str) -> WeightTarget:
         if hf_name == "backbone.embedding.weight":
             hf_name = "backbone.embeddings.weight"
         return WeightTarget(hf_name)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors; raises ValueError naming missing or unexpected weights."""
-        load_named_weights(self, weights, self._resolve)

@@ -21,16 +21,15 @@ from torch import nn
 
 from himamba.services.worker.forward_batch import ForwardBatch
 from himamba.services.worker.layers.attention import PagedAttention
-from himamba.services.worker.layers.embedding import LMHead, VocabEmbedding
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.mamba2 import Mamba2Mixer
 from himamba.services.worker.layers.mlp import MLP
 from himamba.services.worker.layers.moe import RoutedExperts, SigmoidGroupTopKRouter
 from himamba.services.worker.layers.norm import RMSNorm
-from himamba.services.worker.models.batch_checks import check_batch
 from himamba.services.worker.models.hf_config import ConfigFields
+from himamba.services.worker.models.hybrid_decoder import HybridDecoderLM, StackNames, pool_layout
 from himamba.services.worker.models.weight_loading import WeightTarget, load_named_weights
-from himamba.services.worker.pools import KVPool, KVSpec, StatePool, StateSpec
+from himamba.services.worker.pools import KVPool, StatePool
 
 # Every spelling of a layer kind found in NemotronH configs -> our kind.
 _LAYER_KINDS = MappingProxyType(
@@ -199,29 +198,37 @@ class NemotronHBlock(nn.Module):
         self.norm = norm
         self.mixer = mixer
 
+    def recurrent_mixer(self) -> nn.Module | None:
+        return self.mixer if self.kind == "mamba" else None
 
-class _Backbone(nn.Module):
-    def __init__(self, embeddings: VocabEmbedding, layers: list[NemotronHBlock], norm_f: RMSNorm) -> None:
-        super().__init__()
-        self.embeddings = embeddings
-        self.layers = nn.ModuleList(layers)
-        self.norm_f = norm_f
+    def step(self, h: torch.Tensor, batch: ForwardBatch, kv: KVPool, state: StatePool) -> torch.Tensor:
+        x = self.norm(h)
+        if self.kind == "mamba":
+            out = self.mixer(x, batch, state.tensors[self.pool_index])
+        elif self.kind == "attention":
+            out = self.mixer(x, batch, kv.k[self.pool_index], kv.v[self.pool_index])
+        else:
+            out = self.mixer(x)
+        return h.add_(out)  # h is the forward's own tensor (the embedding lookup's output)
 
 
-class NemotronHForCausalLM(nn.Module):
+class NemotronHForCausalLM(HybridDecoderLM):
     """NemotronH as a `HybridModel`. Parameters are allocated uninitialised; call `load_weights`."""
 
+    config_type = NemotronHConfig
+    stack_names = StackNames(embed="embeddings", final_norm="norm_f")
+    ties_head_at_build = False  # settled by the checkpoint, in load_weights
+    skipped_prefixes = ("mtp.",)  # multi-token-prediction heads
+    skipped_suffixes = ()  # no rope, so no rotary buffers
+
     def __init__(self, cfg: NemotronHConfig, device: torch.device | str, dtype: torch.dtype) -> None:
-        super().__init__()
+        super().__init__(cfg, dtype)
         device = torch.device(device)
-        self.config = cfg
-        self.dtype = dtype
-        self.vocab_size = cfg.vocab_size
         h = cfg.hidden_size
         eps = cfg.layer_norm_epsilon
         layers: list[NemotronHBlock] = []
-        counts = {"attention": 0, "mamba": 0, "mlp": 0, "moe": 0}
-        for kind in cfg.layer_kinds:
+        pools = pool_layout(cfg.layer_kinds, "mamba")
+        for kind, pool in zip(cfg.layer_kinds, pools.indices, strict=True):
             mixer: nn.Module
             if kind == "mamba":
                 mixer = Mamba2Mixer(
@@ -257,53 +264,10 @@ class NemotronHForCausalLM(nn.Module):
             else:
                 mixer = NemotronHMoE(cfg, device, dtype)
             norm = RMSNorm(h, eps, device, dtype, multiply_in_float32=True)
-            layers.append(NemotronHBlock(kind, mixer, norm, counts[kind]))
-            counts[kind] += 1
-        self.num_attention_layers = counts["attention"]
-        self.num_mamba_layers = counts["mamba"]
-        embeddings = VocabEmbedding(cfg.vocab_size, h, device, dtype)
-        self.model = _Backbone(embeddings, layers, RMSNorm(h, eps, device, dtype, multiply_in_float32=True))
-        # Whether the head is tied is settled by the checkpoint, in load_weights.
-        self.lm_head = LMHead(cfg.vocab_size, h, device, dtype)
+            layers.append(NemotronHBlock(kind, mixer, norm, pool))
+        self.attach_stack(layers, RMSNorm(h, eps, device, dtype, multiply_in_float32=True), device, pools.sizes)
 
-    @classmethod
-    def from_hf_config(
-        cls, raw: Mapping[str, Any], device: torch.device | str, dtype: torch.dtype
-    ) -> NemotronHForCausalLM:
-        """Build the (uninitialised) model from a raw config.json dict."""
-        return cls(NemotronHConfig.from_hf(raw), device, dtype)
-
-    def kv_spec(self) -> KVSpec:
-        """KV pool shape: one entry per attention layer, in model order."""
-        return KVSpec(self.num_attention_layers, self.config.num_key_value_heads, self.config.head_dim, self.dtype)
-
-    def state_spec(self) -> StateSpec:
-        """State pool shape: "conv" and "ssm" per Mamba layer, in model order."""
-        return StateSpec(tuple(block.mixer.state_components() for block in self.model.layers if block.kind == "mamba"))
-
-    def forward(self, batch: ForwardBatch, kv: KVPool, state: StatePool) -> torch.Tensor:
-        """Logits [B, vocab] (float32) of each sequence's last new token; updates the pools.
-
-        Runs under `torch.inference_mode()` itself, so callers need not.
-        """
-        check_batch(batch, kv, state, self.num_attention_layers, self.num_mamba_layers)
-        with torch.inference_mode():
-            h = self.model.embeddings(batch.input_ids)
-            for block in self.model.layers:
-                x = block.norm(h)
-                if block.kind == "mamba":
-                    out = block.mixer(x, batch, state.tensors[block.pool_index])
-                elif block.kind == "attention":
-                    out = block.mixer(x, batch, kv.k[block.pool_index], kv.v[block.pool_index])
-                else:
-                    out = block.mixer(x)
-                h.add_(out)  # h is this forward's own tensor (the embedding lookup's output)
-            last = h.index_select(0, batch.last_token_index.to(h.device))
-            return self.lm_head(self.model.norm_f(last))
-
-    def _resolve(self, hf_name: str) -> WeightTarget | None:
-        if hf_name.startswith("mtp."):
-            return None
+    def rename_weight(self, hf_name: str) -> WeightTarget:
         if hf_name.startswith("backbone."):
             hf_name = "model." + hf_name[len("backbone.") :]
         per_expert = _PER_EXPERT.match(hf_name)
@@ -319,6 +283,6 @@ class NemotronHForCausalLM(nn.Module):
         embedding table.
         """
         optional = frozenset({"lm_head.weight"}) if self.config.tie_word_embeddings else frozenset()
-        loaded = load_named_weights(self, weights, self._resolve, optional)
+        loaded = load_named_weights(self, weights, self.resolve_weight, optional)
         if "lm_head.weight" not in loaded:
-            self.lm_head.tie_to(self.model.embeddings)
+            self.lm_head.tie_to(self.stack.embedding())

@@ -11,7 +11,7 @@ in `mlp_only_layers` (or all, without experts) have a dense SwiGLU MLP. `mtp.*` 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -20,21 +20,23 @@ import torch
 from torch import nn
 
 from himamba.services.worker.forward_batch import ForwardBatch
-from himamba.services.worker.layers.embedding import LMHead, VocabEmbedding
 from himamba.services.worker.layers.gated_delta import GatedDeltaNet
 from himamba.services.worker.layers.gated_mlp import GatedMLP
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.moe import RoutedExperts
 from himamba.services.worker.layers.offset_rms_norm import OffsetRMSNorm
-from himamba.services.worker.layers.paged_attend import paged_attend
 from himamba.services.worker.layers.partial_rotary import PartialRotaryEmbedding
+from himamba.services.worker.layers.projected_attention import ProjectedAttention
 from himamba.services.worker.layers.softmax_router import SoftmaxRouter
-from himamba.services.worker.models.batch_checks import check_batch
-from himamba.services.worker.models.expert_weights import merge_expert_weights, stacked_row
 from himamba.services.worker.models.hf_config import ConfigFields
+from himamba.services.worker.models.hybrid_decoder import (
+    HybridDecoderLM,
+    LayerNames,
+    MixerLayer,
+    StackNames,
+    pool_layout,
+)
 from himamba.services.worker.models.rope_params import RopeSettings, rope_settings
-from himamba.services.worker.models.weight_loading import WeightTarget, load_named_weights
-from himamba.services.worker.pools import KVPool, KVSpec, StatePool, StateSpec
 
 _KINDS = MappingProxyType({"linear_attention": "linear", "full_attention": "attention"})
 
@@ -125,25 +127,14 @@ class Qwen3NextConfig:
         )
 
 
-class Qwen3NextAttention(nn.Module):
+class Qwen3NextAttention(ProjectedAttention):
     """Gated attention: q and a per-head gate from `q_proj`, q/k RMS norms per head, partial rope,
     output times sigmoid(gate) before `o_proj`."""
 
     def __init__(self, cfg: Qwen3NextConfig, device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads != 0:
-            raise ValueError(
-                f"num_key_value_heads ({self.num_kv_heads}) must divide num_attention_heads ({self.num_heads})"
-            )
-        self.head_dim = hd
-        bias = cfg.attention_bias
-        self.q_proj = Linear(h, 2 * self.num_heads * hd, bias, device, dtype)
-        self.k_proj = Linear(h, self.num_kv_heads * hd, bias, device, dtype)
-        self.v_proj = Linear(h, self.num_kv_heads * hd, bias, device, dtype)
-        self.o_proj = Linear(self.num_heads * hd, h, bias, device, dtype)
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        super().__init__(h, h, heads, kv_heads, hd, cfg.attention_bias, device, dtype, q_per_head=2)
         self.q_norm = OffsetRMSNorm(hd, cfg.rms_norm_eps, device, dtype)
         self.k_norm = OffsetRMSNorm(hd, cfg.rms_norm_eps, device, dtype)
         self.rotary: PartialRotaryEmbedding = cfg.rope.rotary(hd, device)
@@ -153,13 +144,11 @@ class Qwen3NextAttention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         q, gate = self.q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(q, k, batch.positions)
-        out = paged_attend(q, k, v, batch, k_cache, v_cache, self.head_dim**-0.5)
-        out = out.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
-        return self.o_proj(out)
+        q, k = self.rotary(self.q_norm(q), self.k_norm(k), batch.positions)
+        out = self.attend(q, k, v, batch, k_cache, v_cache, self.head_dim**-0.5)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)))
 
 
 class Qwen3NextMoE(nn.Module):
@@ -178,15 +167,18 @@ class Qwen3NextMoE(nn.Module):
         return self.experts(x, self.gate(x)) + shared
 
 
-class Qwen3NextLayer(nn.Module):
+class Qwen3NextLayer(MixerLayer):
     """One decoder layer; exactly one of `linear_attn` / `self_attn` is set (HF's attribute names)."""
+
+    names = LayerNames(
+        mixer_norm="input_layernorm", recurrent="linear_attn", ffn_norm="post_attention_layernorm", ffn="mlp"
+    )
 
     def __init__(
         self, cfg: Qwen3NextConfig, index: int, pool_index: int, device: torch.device, dtype: torch.dtype
     ) -> None:
-        super().__init__()
+        super().__init__(pool_index)
         self.kind = cfg.layer_kinds[index]
-        self.pool_index = pool_index
         h = cfg.hidden_size
         self.input_layernorm = OffsetRMSNorm(h, cfg.rms_norm_eps, device, dtype)
         self.post_attention_layernorm = OffsetRMSNorm(h, cfg.rms_norm_eps, device, dtype)
@@ -214,77 +206,17 @@ class Qwen3NextLayer(nn.Module):
         )
 
 
-class _Backbone(nn.Module):
-    def __init__(self, embed_tokens: VocabEmbedding, layers: list[Qwen3NextLayer], norm: OffsetRMSNorm) -> None:
-        super().__init__()
-        self.embed_tokens = embed_tokens
-        self.layers = nn.ModuleList(layers)
-        self.norm = norm
-
-
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(HybridDecoderLM):
     """Qwen3-Next as a `HybridModel`. Parameters are allocated uninitialised; call `load_weights`."""
 
+    config_type = Qwen3NextConfig
+    stack_names = StackNames(embed="embed_tokens", final_norm="norm")
+    skipped_prefixes = ("mtp.",)  # multi-token-prediction heads
+    merges_expert_weights = True
+
     def __init__(self, cfg: Qwen3NextConfig, device: torch.device | str, dtype: torch.dtype) -> None:
-        super().__init__()
+        super().__init__(cfg, dtype)
         device = torch.device(device)
-        self.config = cfg
-        self.dtype = dtype
-        self.vocab_size = cfg.vocab_size
-        layers = []
-        counts = {"attention": 0, "linear": 0}
-        for i, kind in enumerate(cfg.layer_kinds):
-            layers.append(Qwen3NextLayer(cfg, i, counts[kind], device, dtype))
-            counts[kind] += 1
-        self.num_attention_layers = counts["attention"]
-        self.num_linear_layers = counts["linear"]
-        embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, device, dtype)
-        self.model = _Backbone(embed, layers, OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype))
-        self.lm_head = LMHead(
-            cfg.vocab_size, cfg.hidden_size, device, dtype, tied_to=embed if cfg.tie_word_embeddings else None
-        )
-
-    @classmethod
-    def from_hf_config(
-        cls, raw: Mapping[str, Any], device: torch.device | str, dtype: torch.dtype
-    ) -> Qwen3NextForCausalLM:
-        """Build the (uninitialised) model from a raw config.json dict."""
-        return cls(Qwen3NextConfig.from_hf(raw), device, dtype)
-
-    def kv_spec(self) -> KVSpec:
-        """KV pool shape: one entry per attention layer, in model order."""
-        return KVSpec(self.num_attention_layers, self.config.num_key_value_heads, self.config.head_dim, self.dtype)
-
-    def state_spec(self) -> StateSpec:
-        """State pool shape: "conv" and "recurrent" per gated DeltaNet layer, in model order."""
-        return StateSpec(
-            tuple(layer.linear_attn.state_components() for layer in self.model.layers if layer.linear_attn is not None)
-        )
-
-    def forward(self, batch: ForwardBatch, kv: KVPool, state: StatePool) -> torch.Tensor:
-        """Logits [B, vocab] (float32) of each sequence's last new token; updates the pools."""
-        check_batch(batch, kv, state, self.num_attention_layers, self.num_linear_layers)
-        with torch.inference_mode():
-            h = self.model.embed_tokens(batch.input_ids)
-            for layer in self.model.layers:
-                x = layer.input_layernorm(h)
-                if layer.linear_attn is not None:
-                    x = layer.linear_attn(x, batch, state.tensors[layer.pool_index])
-                else:
-                    x = layer.self_attn(x, batch, kv.k[layer.pool_index], kv.v[layer.pool_index])
-                h = h + x
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
-            last = h.index_select(0, batch.last_token_index.to(h.device))
-            return self.lm_head(self.model.norm(last))
-
-    def _resolve(self, hf_name: str) -> WeightTarget | None:
-        if hf_name.startswith("mtp.") or hf_name.endswith("rotary_emb.inv_freq"):
-            return None
-        if hf_name == "lm_head.weight" and self.lm_head.is_tied:
-            return None
-        return stacked_row(hf_name) or WeightTarget(hf_name)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors (stacked or per-expert MoE layouts); raises ValueError naming missing
-        or unexpected weights."""
-        load_named_weights(self, merge_expert_weights(weights), self._resolve)
+        pools = pool_layout(cfg.layer_kinds, "linear")
+        layers = [Qwen3NextLayer(cfg, i, pool, device, dtype) for i, pool in enumerate(pools.indices)]
+        self.attach_stack(layers, OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype), device, pools.sizes)

@@ -25,17 +25,16 @@ from torch import nn
 
 from himamba.services.worker.forward_batch import ForwardBatch
 from himamba.services.worker.layers.activation import activation_fn
-from himamba.services.worker.layers.embedding import LMHead, VocabEmbedding
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.mamba2 import Mamba2Mixer
 from himamba.services.worker.layers.norm import RMSNorm
-from himamba.services.worker.layers.paged_attend import paged_attend
 from himamba.services.worker.layers.partial_rotary import PartialRotaryEmbedding
-from himamba.services.worker.models.batch_checks import check_batch
+from himamba.services.worker.layers.projected_attention import ProjectedAttention
 from himamba.services.worker.models.hf_config import ConfigFields
+from himamba.services.worker.models.hybrid_decoder import HybridDecoderLM, PoolSizes, StackNames
 from himamba.services.worker.models.rope_params import RopeSettings, rope_settings
-from himamba.services.worker.models.weight_loading import WeightTarget, load_named_weights
-from himamba.services.worker.pools import KVPool, KVSpec, StatePool, StateSpec
+from himamba.services.worker.models.weight_loading import WeightTarget
+from himamba.services.worker.pools import KVPool, KVSpec, StatePool
 
 _KINDS = MappingProxyType({"mamba": "mamba", "linear_attention": "mamba", "hybrid": "hybrid"})
 _SHARED = re.compile(r"^model\.layers\.(\d+)\.shared_transformer\.(.+)$")
@@ -135,23 +134,13 @@ def _adapter(in_features: int, rank: int, out_features: int, device: torch.devic
     )
 
 
-class Zamba2Attention(nn.Module):
-    """Attention over concat(h, embeddings) with per-use q/k/v adapters, over the paged KV pool."""
+class Zamba2Attention(ProjectedAttention):
+    """Attention over concat(h, embeddings) with per-use q/k/v adapters."""
 
     def __init__(self, cfg: Zamba2Config, uses: list[int], device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__()
         d_in, hd = 2 * cfg.hidden_size, cfg.attention_head_dim
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads != 0:
-            raise ValueError(
-                f"num_key_value_heads ({self.num_kv_heads}) must divide num_attention_heads ({self.num_heads})"
-            )
-        self.head_dim = hd
-        self.q_proj = Linear(d_in, self.num_heads * hd, False, device, dtype)
-        self.k_proj = Linear(d_in, self.num_kv_heads * hd, False, device, dtype)
-        self.v_proj = Linear(d_in, self.num_kv_heads * hd, False, device, dtype)
-        self.o_proj = Linear(self.num_heads * hd, cfg.hidden_size, False, device, dtype)
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        super().__init__(d_in, cfg.hidden_size, heads, kv_heads, hd, False, device, dtype)
         self.adapted = cfg.use_shared_attention_adapter
         if self.adapted:
             rank = cfg.adapter_rank
@@ -163,21 +152,17 @@ class Zamba2Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, use: int, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        tokens = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.adapted:
             key = str(use)
             q = q + self.linear_q_adapter_list[key](x)
             k = k + self.linear_k_adapter_list[key](x)
             v = v + self.linear_v_adapter_list[key](x)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.split_heads(q, k, v)
         if self.rotary is not None:
             q, k = self.rotary(q, k, batch.positions)
         # transformers scales by (head_dim / 2) ** -0.5: the input is two hidden states side by side.
-        out = paged_attend(q, k, v, batch, k_cache, v_cache, (self.head_dim / 2) ** -0.5)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return self.o_proj(self.attend(q, k, v, batch, k_cache, v_cache, (self.head_dim / 2) ** -0.5))
 
 
 class Zamba2MLP(nn.Module):
@@ -252,6 +237,9 @@ class Zamba2MambaDecoder(nn.Module):
         x = h if extra is None else h + extra
         return h + self.mamba(self.input_layernorm(x), batch, state)
 
+    def recurrent_mixer(self) -> Mamba2Mixer:
+        return self.mamba
+
 
 class Zamba2HybridLayer(nn.Module):
     """A shared block's use (by index into `model.blocks`), its own `linear`, then its Mamba decoder."""
@@ -263,31 +251,19 @@ class Zamba2HybridLayer(nn.Module):
         self.linear = Linear(cfg.hidden_size, cfg.hidden_size, False, device, dtype)
         self.mamba_decoder = Zamba2MambaDecoder(cfg, device, dtype)
 
-
-class _Backbone(nn.Module):
-    def __init__(
-        self,
-        embed_tokens: VocabEmbedding,
-        blocks: list[Zamba2SharedBlock],
-        layers: list[nn.Module],
-        final_layernorm: RMSNorm,
-    ) -> None:
-        super().__init__()
-        self.embed_tokens = embed_tokens
-        self.blocks = nn.ModuleList(blocks)
-        self.layers = nn.ModuleList(layers)
-        self.final_layernorm = final_layernorm
+    def recurrent_mixer(self) -> Mamba2Mixer:
+        return self.mamba_decoder.mamba
 
 
-class Zamba2ForCausalLM(nn.Module):
+class Zamba2ForCausalLM(HybridDecoderLM):
     """Zamba2 as a `HybridModel`. Parameters are allocated uninitialised; call `load_weights`."""
 
+    config_type = Zamba2Config
+    stack_names = StackNames(embed="embed_tokens", final_norm="final_layernorm")
+
     def __init__(self, cfg: Zamba2Config, device: torch.device | str, dtype: torch.dtype) -> None:
-        super().__init__()
+        super().__init__(cfg, dtype)
         device = torch.device(device)
-        self.config = cfg
-        self.dtype = dtype
-        self.vocab_size = cfg.vocab_size
         hybrid = [i for i, kind in enumerate(cfg.layer_kinds) if kind == "hybrid"]
         mem = cfg.num_mem_blocks
         # transformers ties the shared blocks only together with the embeddings: untied, every
@@ -308,57 +284,31 @@ class Zamba2ForCausalLM(nn.Module):
                 layers.append(Zamba2HybridLayer(cfg, block, use, device, dtype))
             else:
                 layers.append(Zamba2MambaDecoder(cfg, device, dtype))
-        self.num_attention_layers = len(hybrid)
-        self.num_mamba_layers = len(cfg.layer_kinds)
-        embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, device, dtype)
-        final = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.model = _Backbone(embed, blocks, layers, final)
-        self.lm_head = LMHead(
-            cfg.vocab_size, cfg.hidden_size, device, dtype, tied_to=embed if cfg.tie_word_embeddings else None
+        self.attach_stack(
+            layers,
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype),
+            device,
+            PoolSizes(attention=len(hybrid), recurrent=len(cfg.layer_kinds)),
+            before_layers={"blocks": nn.ModuleList(blocks)},
         )
-
-    @classmethod
-    def from_hf_config(
-        cls, raw: Mapping[str, Any], device: torch.device | str, dtype: torch.dtype
-    ) -> Zamba2ForCausalLM:
-        """Build the (uninitialised) model from a raw config.json dict."""
-        return cls(Zamba2Config.from_hf(raw), device, dtype)
 
     def kv_spec(self) -> KVSpec:
         """KV pool shape: one entry per use of a shared block (hybrid layer), in model order."""
         cfg = self.config
         return KVSpec(self.num_attention_layers, cfg.num_key_value_heads, cfg.attention_head_dim, self.dtype)
 
-    def state_spec(self) -> StateSpec:
-        """State pool shape: "conv" and "ssm" per layer (every layer has a Mamba2 mixer)."""
-        return StateSpec(
-            tuple(
-                (layer.mamba_decoder if isinstance(layer, Zamba2HybridLayer) else layer).mamba.state_components()
-                for layer in self.model.layers
-            )
-        )
+    def run_layers(self, h: torch.Tensor, batch: ForwardBatch, kv: KVPool, state: StatePool) -> torch.Tensor:
+        embeddings = h
+        for i, layer in enumerate(self.stack.layers):
+            if isinstance(layer, Zamba2HybridLayer):
+                block = self.stack.blocks[layer.block]
+                extra = layer.linear(block(h, embeddings, layer.use, batch, kv.k[layer.use], kv.v[layer.use]))
+                h = layer.mamba_decoder(h, extra, batch, state.tensors[i])
+            else:
+                h = layer(h, None, batch, state.tensors[i])
+        return h
 
-    def forward(self, batch: ForwardBatch, kv: KVPool, state: StatePool) -> torch.Tensor:
-        """Logits [B, vocab] (float32) of each sequence's last new token; updates the pools."""
-        check_batch(batch, kv, state, self.num_attention_layers, self.num_mamba_layers)
-        with torch.inference_mode():
-            embeddings = self.model.embed_tokens(batch.input_ids)
-            h = embeddings
-            for i, layer in enumerate(self.model.layers):
-                if isinstance(layer, Zamba2HybridLayer):
-                    block = self.model.blocks[layer.block]
-                    extra = layer.linear(block(h, embeddings, layer.use, batch, kv.k[layer.use], kv.v[layer.use]))
-                    h = layer.mamba_decoder(h, extra, batch, state.tensors[i])
-                else:
-                    h = layer(h, None, batch, state.tensors[i])
-            last = h.index_select(0, batch.last_token_index.to(h.device))
-            return self.lm_head(self.model.final_layernorm(last))
-
-    def _resolve(self, hf_name: str) -> WeightTarget | None:
-        if hf_name == "lm_head.weight" and self.lm_head.is_tied:
-            return None
-        if hf_name.endswith("rotary_emb.inv_freq"):
-            return None
+    def rename_weight(self, hf_name: str) -> WeightTarget:
         shared = _SHARED.match(hf_name)
         if shared is not None and int(shared.group(1)) in self._block_of_layer:
             return WeightTarget(f"model.blocks.{self._block_of_layer[int(shared.group(1))]}.{shared.group(2)}")
@@ -367,4 +317,4 @@ class Zamba2ForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; a shared block may appear under any layer that uses it (transformers
         saves it once, under the first). Raises ValueError naming missing or unexpected weights."""
-        load_named_weights(self, weights, self._resolve)
+        super().load_weights(weights)
