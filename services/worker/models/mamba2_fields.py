@@ -61,7 +61,7 @@ class Mamba2Fields:
     def mixer(
         self, hidden_size: int, norm_eps: float, activation: str, device: torch.device, dtype: torch.dtype
     ) -> Mamba2Mixer:
-        """The standard Mamba2 mixer (grouped gated norm, dt clamped to `time_step_limit`)."""
+        """The standard Mamba2 mixer (grouped gated norm, dt clamped to `time_step_limit` in prefill)."""
         return Mamba2Mixer(
             hidden_size=hidden_size,
             num_heads=self.n_heads,

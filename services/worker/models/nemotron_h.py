@@ -2,7 +2,7 @@
 
 Matches transformers 5.23's modeling_nemotron_h: every block is `h + mixer(norm(h))`; attention
 has no positional embedding and no bias (whatever `attention_bias` says); the MLP is
-`down(relu2(up(x)))`; the Mamba2 mixer clamps dt to (time_step_min, inf); the final norm is
+`down(relu2(up(x)))`; the Mamba2 mixer clamps dt to (time_step_min, inf) in prefill; the final norm is
 `norm_f`; RMSNorm multiplies by its weight in float32. Checkpoint names may use the published
 `backbone.` prefix and per-expert matrices; multi-token-prediction (`mtp.*`) weights are ignored.
 """

@@ -7,7 +7,7 @@ scale (head_dim/2)^-0.5 (rope when `use_mem_rope`), then pre_ff_layernorm and a 
 per-use LoRA adapters (`*_adapter_list.<use>`) add to q/k/v (with `use_shared_attention_adapter`)
 and always to the MLP's gate_up. The block's output goes through the layer's own `linear` and is
 added to the Mamba input only: `h += mamba(input_layernorm(h + linear(block(h, emb))))`. Each use
-owns one KV layer of the pool. The mixer clamps dt at `time_step_min`, and its norm eps is 1e-5.
+owns one KV layer of the pool. The mixer clamps dt at `time_step_min` in prefill, and its norm eps is 1e-5.
 Checkpoints store each shared block under the first layer that uses it. As in transformers, the
 blocks are shared only when `tie_word_embeddings` is true; otherwise each hybrid layer has its own.
 """
