@@ -36,16 +36,14 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import numpy as np
-
 from himamba.services.cache.storage.base import (
     HEADER_BYTES,
     Buffer,
-    StorageBackend,
-    StorageStats,
     ValueKind,
     check_batch,
 )
 from himamba.services.cache.storage.reconnect import ReconnectGate, StoreLink
+from himamba.services.cache.storage.remote import RemoteBackend
 
 __all__ = ["DEFAULT_MOONCAKE_MASTER", "MooncakeBackend", "default_metadata_server"]
 
@@ -108,12 +106,14 @@ def _pointer(buf: Buffer) -> tuple[int, int]:
 
 
 def _real_client() -> Any:
-    from mooncake.store import MooncakeDistributedStore  # optional dependency: imported when used
+    from mooncake.store import (
+        MooncakeDistributedStore,  # optional dependency: imported when used
+    )
 
     return MooncakeDistributedStore()
 
 
-class MooncakeBackend(StorageBackend):
+class MooncakeBackend(RemoteBackend):
     """Values in a Mooncake Store whose master is at `master_address` (host:port); see the module
     docstring. `metadata_server` defaults to the master's embedded HTTP metadata server.
     `local_hostname` is the address the store's peers reach this process at (default: the local
@@ -278,18 +278,6 @@ class MooncakeBackend(StorageBackend):
 
     # ---- the contract --------------------------------------------------------------------------
 
-    def exists(self, keys: Sequence[bytes]) -> int:
-        self._check_open()
-        found = self._exist_many(keys, ValueKind.KV)
-        n = 0
-        while n < len(found) and found[n]:
-            n += 1
-        return n
-
-    def exists_states(self, keys: Sequence[bytes]) -> list[bool]:
-        self._check_open()
-        return self._exist_many(keys, ValueKind.STATE)
-
     def get_pages(self, keys: Sequence[bytes], dest: Sequence[Buffer]) -> int:
         self._check_open()
         check_batch(keys, dest, "dest")
@@ -309,9 +297,6 @@ class MooncakeBackend(StorageBackend):
         self._check_open()
         check_batch([key], [blob], "blob")
         return self._set_many([key], [blob], ValueKind.STATE, 0)[0]
-
-    def stats(self) -> StorageStats:
-        return self.counters.snapshot(reachable=self.link.reachable())
 
     def close(self) -> None:
         with self._lock:
@@ -492,7 +477,3 @@ class MooncakeBackend(StorageBackend):
             self.counters.add(num_written_states=written, num_written_bytes=nbytes)
         self.counters.add(num_skipped_writes=skipped, num_refused_writes=refused)
         return out
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"storage backend {self.link.what} is closed")

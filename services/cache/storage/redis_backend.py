@@ -28,17 +28,15 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
-
 from himamba.services.cache.storage.base import (
     Buffer,
-    StorageBackend,
-    StorageStats,
     ValueKind,
     check_batch,
 )
 from himamba.services.cache.storage.reconnect import ReconnectGate, StoreLink
+from himamba.services.cache.storage.remote import RemoteBackend
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 __all__ = ["DEFAULT_REDIS_URL", "RedisBackend"]
 
@@ -55,7 +53,7 @@ class _Unserved(Exception):
     """Internal: the store did not serve this call (already counted)."""
 
 
-class RedisBackend(StorageBackend):
+class RedisBackend(RemoteBackend):
     """Values in a Redis server at `url` (`redis://host:port/db`, `rediss://...`, `unix://path`);
     see the module docstring. `key_prefix` namespaces a deployment within one Redis database.
     `connect_timeout_s` bounds how long a call waits for an absent server; `op_timeout_s` bounds a
@@ -102,18 +100,6 @@ class RedisBackend(StorageBackend):
 
     # ---- the contract --------------------------------------------------------------------------
 
-    def exists(self, keys: Sequence[bytes]) -> int:
-        self._check_open()
-        found = self._exist_many(keys, ValueKind.KV)
-        n = 0
-        while n < len(found) and found[n]:
-            n += 1
-        return n
-
-    def exists_states(self, keys: Sequence[bytes]) -> list[bool]:
-        self._check_open()
-        return self._exist_many(keys, ValueKind.STATE)
-
     def get_pages(self, keys: Sequence[bytes], dest: Sequence[Buffer]) -> int:
         self._check_open()
         check_batch(keys, dest, "dest")
@@ -150,9 +136,6 @@ class RedisBackend(StorageBackend):
         self._check_open()
         check_batch([key], [blob], "blob")
         return self._set_many([key], [blob], ValueKind.STATE, 0)[0]
-
-    def stats(self) -> StorageStats:
-        return self.counters.snapshot(reachable=self.link.reachable())
 
     def close(self) -> None:
         with self._lock:
@@ -271,7 +254,3 @@ class RedisBackend(StorageBackend):
             self.counters.add(num_written_states=written, num_written_bytes=nbytes)
         self.counters.add(num_skipped_writes=skipped, num_refused_writes=refused)
         return out
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"storage backend {self.link.what} is closed")
