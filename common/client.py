@@ -254,6 +254,25 @@ def _connection_event(raw: list[bytes]) -> bool | None:
     return None
 
 
+class _ReplyCount:
+    """When a request's reply stream is over: at an error, or after one finished chunk per sample.
+    `done` stays False while the caller may still owe the server an abort."""
+
+    def __init__(self, num_samples: int) -> None:
+        self.unfinished = num_samples
+        self.done = False
+
+    def chunk(self, reply: ClientReply) -> GenerateChunk:
+        """The chunk of `reply` (raises HimambaError for an ErrorReply, which ends the stream)."""
+        if isinstance(reply, ErrorReply):
+            self.done = True  # the server already ended it: nothing to abort
+        chunk = _raise_if_error(reply)
+        if chunk.finished:
+            self.unfinished -= 1
+        self.done = self.unfinished == 0
+        return chunk
+
+
 class Client:
     """Blocking client on one DEALER connection. Not thread-safe; several streams may interleave.
 
@@ -354,23 +373,13 @@ class Client:
         return self._iterate(req.rid, req.sampling.n)
 
     def _iterate(self, rid: str, n: int) -> Generator[GenerateChunk, None, None]:
-        done = False
-        unfinished = n  # the request is over after one finished chunk per sample
+        replies = _ReplyCount(n)
         try:
-            while True:
-                reply = self._next_reply(rid)
-                if isinstance(reply, ErrorReply):
-                    done = True
-                chunk = _raise_if_error(reply)
-                if chunk.finished:
-                    unfinished -= 1
-                done = unfinished == 0
-                yield chunk
-                if done:
-                    return
+            while not replies.done:
+                yield replies.chunk(self._next_reply(rid))
         finally:
             self._pending.pop(rid, None)
-            if not done and not self._closed:
+            if not replies.done and not self._closed:
                 self._send(AbortGenerate(rid=rid))
 
     def _next_reply(self, rid: str) -> ClientReply:
@@ -517,28 +526,19 @@ class AsyncClient:
             self._reader = asyncio.get_running_loop().create_task(self._read_loop(), name="himamba-client-reader")
         queue: asyncio.Queue[ClientReply] = asyncio.Queue()
         self._queues[req.rid] = queue
-        done = False
-        unfinished = req.sampling.n  # the request is over after one finished chunk per sample
+        replies = _ReplyCount(req.sampling.n)
         try:
             await self._send(req)
-            while True:
+            while not replies.done:
                 try:
                     reply = await asyncio.wait_for(queue.get(), self.timeout_s)
                 except asyncio.TimeoutError:
                     msg = f"no reply for {req.rid!r} from {self.endpoint} within {self.timeout_s}s"
                     raise TimeoutError(msg) from None
-                if isinstance(reply, ErrorReply):
-                    done = True
-                chunk = _raise_if_error(reply)
-                if chunk.finished:
-                    unfinished -= 1
-                done = unfinished == 0
-                yield chunk
-                if done:
-                    return
+                yield replies.chunk(reply)
         finally:
             self._queues.pop(req.rid, None)
-            if not done and not self._closed:
+            if not replies.done and not self._closed:
                 await self._send(AbortGenerate(rid=req.rid))
 
     async def _read_loop(self) -> None:
