@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Literal, Union
 
 import msgspec
+
 from himamba.common.host_layout import HostPoolLayout
 from himamba.common.types import CachedTokens, FinishReason, SamplingParams, Usage
 

@@ -19,9 +19,6 @@ import itertools
 import os
 from collections.abc import Callable
 
-from himamba.common.messages import MetricsReport
-from himamba.common.metrics import MetricDef, Service, metrics_of
-from himamba.common.transport import Outbox
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -29,6 +26,10 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+
+from himamba.common.messages import MetricsReport
+from himamba.common.metrics import MetricDef, Service, metrics_of
+from himamba.common.transport import Outbox
 
 Metric = Counter | Gauge | Histogram
 

@@ -16,16 +16,16 @@ from typing import Any
 from himamba.common.config import CacheConfig
 from himamba.common.messages import (
     Admit,
-    CancelPrefetch,
-    Prefetch,
     Admitted,
     AllocSlots,
     CacheStats,
+    CancelPrefetch,
     Extend,
     Extended,
     FreeSlots,
     Insert,
     Inserted,
+    Prefetch,
     Release,
     Released,
     SlotsAllocated,

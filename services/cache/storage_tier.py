@@ -33,7 +33,6 @@ from himamba.services.cache.allocator import PageAllocator, SlotAllocator
 from himamba.services.cache.keys import page_keys
 from himamba.services.cache.radix_tree import HostPin, RadixTree, TreeNode
 from himamba.services.cache.storage.base import StorageHit
-from himamba.services.cache.storage.known_keys import KnownKeys
 from himamba.services.cache.storage.io_workers import (
     JobHandle,
     JobOutcome,
@@ -41,6 +40,7 @@ from himamba.services.cache.storage.io_workers import (
     StateCopy,
     StorageIO,
 )
+from himamba.services.cache.storage.known_keys import KnownKeys
 
 _log = logging.getLogger("himamba.cache.storage")
 

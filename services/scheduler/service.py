@@ -19,6 +19,7 @@ from collections import deque
 from typing import Any
 
 import torch
+
 from himamba.common.config import Config
 from himamba.common.messages import (
     AbortRequest,

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from tokenizers import Tokenizer
+
 from himamba.common.config import Config
 from himamba.common.messages import (
     AbortGenerate,
@@ -65,7 +67,6 @@ from himamba.services.tokenizer.prepare import RequestLimits, prepare_request
 from himamba.services.tokenizer.request_metrics import RequestClock, RequestMetrics
 from himamba.services.tokenizer.requests import RequestEntry, RequestTable, internal_rid
 from himamba.services.tokenizer.samples import sample_requests
-from tokenizers import Tokenizer
 
 # A peer whose metrics reports stop for this many report intervals counts as gone.
 _STALE_REPORTS = 5

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from himamba.common.config import Config
 from himamba.common.messages import (
     BatchDone,

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+
 from himamba.common.config import CacheConfig
 from himamba.common.messages import Admit, CancelPrefetch, Insert, Prefetch, Release
 from himamba.services.cache.allocator import PageAllocator, SlotAllocator

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-from himamba.common.client import AsyncClient, Completion
-from himamba.services.cache.storage.local_stores import LocalMooncake, LocalRedis
 from prometheus_client.parser import text_string_to_metric_families
 
+from himamba.common.client import AsyncClient, Completion
+from himamba.services.cache.storage.local_stores import LocalMooncake, LocalRedis
 from tests.reliability.prompts import MAX_CONTEXT_LEN, Prompt, random_ids
 
 # Device and host tiers far smaller than the conversations, so that later turns need the store;

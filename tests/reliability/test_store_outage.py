@@ -9,9 +9,9 @@ import asyncio
 import time
 
 import pytest
+
 from himamba.services.bench.servers import start_server
 from himamba.services.cache.storage.local_stores import LocalMooncake
-
 from tests.reliability.conftest import free_port
 from tests.reliability.pools import assert_nothing_leaked, wait_drained
 from tests.reliability.prompts import Prompt

@@ -36,6 +36,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import numpy as np
+
 from himamba.services.cache.storage.base import (
     HEADER_BYTES,
     Buffer,

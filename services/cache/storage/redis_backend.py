@@ -28,6 +28,9 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
 from himamba.services.cache.storage.base import (
     Buffer,
     ValueKind,
@@ -35,8 +38,6 @@ from himamba.services.cache.storage.base import (
 )
 from himamba.services.cache.storage.reconnect import ReconnectGate, StoreLink
 from himamba.services.cache.storage.remote import RemoteBackend
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 __all__ = ["DEFAULT_REDIS_URL", "RedisBackend"]
 
