@@ -1,10 +1,13 @@
-"""A module-scoped factory of real `himamba serve` processes, each stopped by PID at the end."""
+"""Module-scoped fixtures: a factory of real `himamba serve` processes (each stopped by PID at the
+end), and the tiny random-weight NemotronH checkpoint they serve with its transformers reference."""
 
 from __future__ import annotations
 
 import pytest
 
 from himamba.services.bench.servers import ServerProcess, start_server
+from himamba.services.modelgen.checkpoint import make_checkpoint
+from tests.worker.hf_reference import load_reference
 
 
 @pytest.fixture(scope="module")
@@ -20,3 +23,15 @@ def server_factory(tmp_path_factory):
     yield start
     for s in started:
         s.stop()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random-weight NemotronH checkpoint, made once per module."""
+    return make_checkpoint("nemotron_h", tmp_path_factory.mktemp("m"), preset="tiny")
+
+
+@pytest.fixture(scope="module")
+def ref(model_dir):
+    """transformers' model of `model_dir`, for the greedy tokens outputs must equal."""
+    return load_reference(model_dir)

@@ -3,21 +3,15 @@ exactly transformers' greedy tokens."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from himamba.common.client import Client
 from himamba.services.bench.servers import start_server
 from himamba.services.modelgen.checkpoint import make_checkpoint
+from tests.e2e.prompts import random_tokens
 from tests.worker.hf_reference import greedy, load_reference
 
 FAMILIES = ["granite_hybrid", "bamba", "falcon_h1", "qwen3_next", "mamba2", "zamba2", "lfm2", "jamba"]
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 2000) for _ in range(n)]
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -38,16 +32,16 @@ def test_device_and_host_hits_match_transformers(arch, tmp_path):
 
 def _check(server, ref) -> None:
     with Client(server.endpoint) as c:
-        history = _tokens(50, 1)
+        history = random_tokens(50, 1, vocab=2000)
         first = c.generate(input_ids=history, max_tokens=10, ignore_eos=True)
         assert first.token_ids == greedy(ref, history, 10)
-        history = history + first.token_ids + _tokens(30, 2)
+        history = history + first.token_ids + random_tokens(30, 2, vocab=2000)
         second = c.generate(input_ids=history, max_tokens=10, ignore_eos=True)
         assert second.token_ids == greedy(ref, history, 10)
         assert second.usage.cached_tokens.device > 0
         for k in range(3):  # push the conversation out of the small device pool
-            c.generate(input_ids=_tokens(150, 10 + k), max_tokens=2, ignore_eos=True)
-        history = history + second.token_ids + _tokens(20, 3)
+            c.generate(input_ids=random_tokens(150, 10 + k, vocab=2000), max_tokens=2, ignore_eos=True)
+        history = history + second.token_ids + random_tokens(20, 3, vocab=2000)
         third = c.generate(input_ids=history, max_tokens=10, ignore_eos=True)
         assert third.token_ids == greedy(ref, history, 10)
         assert third.usage.cached_tokens.host > 0

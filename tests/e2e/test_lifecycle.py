@@ -14,7 +14,6 @@ import zmq
 
 from himamba.common.client import Client
 from himamba.common.messages import ClientReply, ErrorReply
-from himamba.services.modelgen.checkpoint import make_checkpoint
 
 
 def _children(pid: int) -> dict[str, int]:
@@ -37,11 +36,6 @@ def _alive(pid: int) -> bool:
     # a zombie counts as gone
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split(") ", 1)[1][0] != "Z"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_checkpoint("nemotron_h", tmp_path_factory.mktemp("m"), preset="tiny")
 
 
 def test_sigterm_leaves_no_child(server_factory, model_dir):

@@ -3,24 +3,10 @@ greedy tokens of a server that computes everything."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from himamba.common.client import Client
-from himamba.services.modelgen.checkpoint import make_checkpoint
-
-VOCAB = 2048
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, VOCAB) for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_checkpoint("nemotron_h", tmp_path_factory.mktemp("m"), preset="tiny")
+from tests.e2e.prompts import random_tokens
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +32,7 @@ def _conversation(client: Client, turns: int, seed: int, new: int = 40, gen: int
     history: list[int] = []
     outs = []
     for t in range(turns):
-        history = history + _tokens(new, seed * 100 + t)
+        history = history + random_tokens(new, seed * 100 + t)
         out = client.generate(input_ids=history, max_tokens=gen, ignore_eos=True)
         outs.append(out)
         history = history + out.token_ids
@@ -68,7 +54,7 @@ def test_five_turns_same_tokens_with_and_without_cache(reference, cached):
 
 @pytest.mark.parametrize("delta", [-1, 0, 1])
 def test_page_boundary_hits_match_recompute(reference, cached, delta):
-    prompt = _tokens(48 + delta, seed=7 + delta)  # 3 pages of 16, and one token either side
+    prompt = random_tokens(48 + delta, seed=7 + delta)  # 3 pages of 16, and one token either side
     with Client(reference.endpoint) as r, Client(cached.endpoint) as c:
         want = r.generate(input_ids=prompt, max_tokens=10, ignore_eos=True).token_ids
         first = c.generate(input_ids=prompt, max_tokens=10, ignore_eos=True)
@@ -85,7 +71,7 @@ def test_small_device_pool_serves_earlier_turns_from_host(reference, small_devic
         host_hits = 0
         for turn in range(3):
             for k in histories:
-                histories[k] = histories[k] + _tokens(60, seed=1000 + 10 * k + turn)
+                histories[k] = histories[k] + random_tokens(60, seed=1000 + 10 * k + turn)
                 want = r.generate(input_ids=histories[k], max_tokens=8, ignore_eos=True)
                 got = c.generate(input_ids=histories[k], max_tokens=8, ignore_eos=True)
                 assert got.token_ids == want.token_ids, f"conversation {k} turn {turn}"
@@ -99,13 +85,13 @@ def test_small_device_pool_serves_earlier_turns_from_host(reference, small_devic
 
 @pytest.mark.parametrize("delta", [-1, 0, 1])
 def test_host_hits_at_page_boundaries_match_recompute(reference, small_device, delta):
-    prompt = _tokens(64 + delta, seed=70 + delta)  # 4 pages of 16, and one token either side
+    prompt = random_tokens(64 + delta, seed=70 + delta)  # 4 pages of 16, and one token either side
     with Client(reference.endpoint) as r, Client(small_device.endpoint) as c:
         want = r.generate(input_ids=prompt, max_tokens=8, ignore_eos=True).token_ids
         assert c.generate(input_ids=prompt, max_tokens=8, ignore_eos=True).token_ids == want
         # Other traffic pushes the prompt's pages out of the small device pool, into host memory.
         for k in range(4):
-            c.generate(input_ids=_tokens(150, seed=900 + 10 * delta + k), max_tokens=2, ignore_eos=True)
+            c.generate(input_ids=random_tokens(150, seed=900 + 10 * delta + k), max_tokens=2, ignore_eos=True)
         again = c.generate(input_ids=prompt, max_tokens=8, ignore_eos=True)
     assert again.token_ids == want
     assert again.usage.cached_tokens.host > 0

@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 
 from himamba.common.client import AsyncClient, Client
 from himamba.services.modelgen.tokenizer_files import train_demo_tokenizer
+from tests.e2e.prompts import random_tokens
 from tests.worker.hf_reference import HF_VOCAB, greedy, load_reference, save_granite_hybrid, save_nemotron_h
 
 PROMPT_LENS = [1, 7, 64, 300, 700]
 NEW_TOKENS = 32
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, HF_VOCAB) for _ in range(n)]
 
 
 @pytest.fixture(scope="module", params=["nemotron_h", "granite_hybrid"])
@@ -34,7 +29,7 @@ def test_greedy_tokens_equal_transformers(served):
     server, ref = served
     with Client(server.endpoint) as c:
         for i, n in enumerate(PROMPT_LENS):
-            ids = _prompt(n, seed=i)
+            ids = random_tokens(n, seed=i, vocab=HF_VOCAB)
             out = c.generate(input_ids=ids, max_tokens=NEW_TOKENS, ignore_eos=True)
             assert out.token_ids == greedy(ref, ids, NEW_TOKENS), f"prompt length {n}"
             assert out.finish_reason == "length"
@@ -42,7 +37,7 @@ def test_greedy_tokens_equal_transformers(served):
 
 def test_concurrent_requests_equal_one_by_one(served):
     server, ref = served
-    prompts = [_prompt(5 + 37 * i, seed=100 + i) for i in range(8)]
+    prompts = [random_tokens(5 + 37 * i, seed=100 + i, vocab=HF_VOCAB) for i in range(8)]
     expected = [greedy(ref, p, 16) for p in prompts]
 
     async def run():

@@ -3,37 +3,17 @@ hit on server B, with exactly transformers' greedy tokens (Redis and Mooncake St
 
 from __future__ import annotations
 
-import random
 import time
 
 import pytest
 
 from himamba.common.client import Client
 from himamba.services.cache.storage.local_stores import LocalMooncake, LocalRedis
-from himamba.services.modelgen.checkpoint import make_checkpoint
-from tests.worker.hf_reference import greedy, load_reference
+from tests.e2e.prompts import random_tokens
+from tests.e2e.storage_flags import STORAGE_FLAGS
+from tests.worker.hf_reference import greedy
 
 GEN = 8
-COMMON = (
-    "--max-total-tokens", "4096", "--max-mamba-cache-size", "32", "--max-context-len", "512",
-    "--prefetch-threshold", "32", "--hicache-storage-prefetch-policy", "wait_complete",
-    "--prefetch-timeout-max-s", "20",
-)
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 2048) for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_checkpoint("nemotron_h", tmp_path_factory.mktemp("m"), preset="tiny")
-
-
-@pytest.fixture(scope="module")
-def ref(model_dir):
-    return load_reference(model_dir)
 
 
 def _store_flags(kind: str, tmp_path):
@@ -57,14 +37,14 @@ def _store_flags(kind: str, tmp_path):
 def test_prefix_computed_on_a_is_a_storage_hit_on_b(kind, server_factory, model_dir, ref, tmp_path):
     store, flags = _store_flags(kind, tmp_path)
     try:
-        a = server_factory(model_dir, *COMMON, *flags)
-        b = server_factory(model_dir, *COMMON, *flags)
-        history = _tokens(100, 1)
+        a = server_factory(model_dir, *STORAGE_FLAGS, *flags)
+        b = server_factory(model_dir, *STORAGE_FLAGS, *flags)
+        history = random_tokens(100, 1)
         with Client(a.endpoint) as ca:
             out = ca.generate(input_ids=history, max_tokens=GEN, ignore_eos=True)
             assert out.token_ids == greedy(ref, history, GEN)
         time.sleep(3.0)  # backups to the store are asynchronous
-        nxt = history + out.token_ids + _tokens(20, 2)
+        nxt = history + out.token_ids + random_tokens(20, 2)
         with Client(b.endpoint) as cb:
             got = cb.generate(input_ids=nxt, max_tokens=GEN, ignore_eos=True)
         assert got.token_ids == greedy(ref, nxt, GEN)

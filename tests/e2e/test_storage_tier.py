@@ -6,40 +6,19 @@ and the cache invariants clean."""
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import stat
 import time
 from pathlib import Path
 
 import pytest
+
 from himamba.common.client import Client
-from himamba.services.modelgen.checkpoint import make_checkpoint
+from tests.e2e.prompts import random_tokens
+from tests.e2e.storage_flags import STORAGE_FLAGS
+from tests.worker.hf_reference import greedy
 
-from tests.worker.hf_reference import greedy, load_reference
-
-VOCAB = 2048
 GEN = 8
-COMMON = (
-    "--max-total-tokens", "4096", "--max-mamba-cache-size", "32", "--max-context-len", "512",
-    "--prefetch-threshold", "32", "--hicache-storage-prefetch-policy", "wait_complete",
-    "--prefetch-timeout-max-s", "20",
-)
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, VOCAB) for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_checkpoint("nemotron_h", tmp_path_factory.mktemp("m"), preset="tiny")
-
-
-@pytest.fixture(scope="module")
-def ref(model_dir):
-    return load_reference(model_dir)
 
 
 def _files(store: Path) -> int:
@@ -62,11 +41,11 @@ def _settle(store: Path, timeout_s: float = 10.0) -> None:
 def stored_conversation(server_factory, model_dir, ref, tmp_path_factory):
     """Two turns served and backed up to a fresh store; the server is stopped afterwards."""
     store = tmp_path_factory.mktemp("store")
-    s = server_factory(model_dir, *COMMON, "--hicache-storage-dir", str(store))
+    s = server_factory(model_dir, *STORAGE_FLAGS, "--hicache-storage-dir", str(store))
     history: list[int] = []
     with Client(s.endpoint) as c:
         for turn, new in enumerate((40, 60)):  # states land at 32, then 96
-            history = history + _tokens(new, turn)
+            history = history + random_tokens(new, turn)
             out = c.generate(input_ids=history, max_tokens=GEN, ignore_eos=True)
             assert out.token_ids == greedy(ref, history, GEN)
             history = history + out.token_ids
@@ -82,8 +61,8 @@ def test_restart_serves_the_next_turn_from_storage_with_the_same_tokens(
     server_factory, model_dir, ref, stored_conversation
 ):
     store, history = stored_conversation
-    s = server_factory(model_dir, *COMMON, "--hicache-storage-dir", str(store))
-    nxt = history + _tokens(20, 7)
+    s = server_factory(model_dir, *STORAGE_FLAGS, "--hicache-storage-dir", str(store))
+    nxt = history + random_tokens(20, 7)
     with Client(s.endpoint) as c:
         out = c.generate(input_ids=nxt, max_tokens=GEN, ignore_eos=True)
     assert out.usage is not None and out.usage.cached_tokens.storage >= 96
@@ -97,8 +76,8 @@ def test_small_host_pool_truncates_the_prefetch(server_factory, model_dir, ref, 
     copy = tmp_path / "store"
     shutil.copytree(store, copy)
     # 4 host pages: the 6-page stored prefix does not fit; the deepest state within 4 pages is at 32.
-    s = server_factory(model_dir, *COMMON, "--hicache-storage-dir", str(copy), "--hicache-tokens", "64")
-    nxt = history + _tokens(20, 8)
+    s = server_factory(model_dir, *STORAGE_FLAGS, "--hicache-storage-dir", str(copy), "--hicache-tokens", "64")
+    nxt = history + random_tokens(20, 8)
     with Client(s.endpoint) as c:
         out = c.generate(input_ids=nxt, max_tokens=GEN, ignore_eos=True)
     assert out.usage is not None and 32 <= out.usage.cached_tokens.storage <= 64
@@ -118,10 +97,10 @@ def test_flaky_slow_corrupt_read_only_storage_keeps_serving(server_factory, mode
     for p in [copy, *copy.rglob("*")]:
         p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
     s = server_factory(
-        model_dir, *COMMON[:-2], "--prefetch-timeout-max-s", "2", "--hicache-storage-dir", str(copy),
+        model_dir, *STORAGE_FLAGS[:-2], "--prefetch-timeout-max-s", "2", "--hicache-storage-dir", str(copy),
         "--debug-storage-fail-rate", "0.3", "--debug-storage-slow-s", "0.01",
     )
-    prompts = [history + _tokens(10, 20 + i) for i in range(3)] + [_tokens(70, 30 + i) for i in range(2)]
+    prompts = [history + random_tokens(10, 20 + i) for i in range(3)] + [random_tokens(70, 30 + i) for i in range(2)]
     try:
         with Client(s.endpoint) as c:
             for p in prompts + prompts[:2]:

@@ -4,31 +4,14 @@ running servers, against transformers' greedy tokens."""
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 
 from himamba.common.client import AsyncClient, Client
-from himamba.services.modelgen.checkpoint import make_checkpoint
-from tests.worker.hf_reference import greedy, load_reference
+from tests.e2e.prompts import random_tokens
+from tests.worker.hf_reference import greedy
 
-VOCAB = 2048
 PAGE = 16
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, VOCAB) for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_checkpoint("nemotron_h", tmp_path_factory.mktemp("m"), preset="tiny")
-
-
-@pytest.fixture(scope="module")
-def ref(model_dir):
-    return load_reference(model_dir)
 
 
 def _flags(strategy: str, *more: str) -> list[str]:
@@ -44,7 +27,7 @@ def _conversation(endpoint: str, ref, turns: int = 4, seed: int = 3, new: int = 
     seen = []
     with Client(endpoint) as c:
         for t in range(turns):
-            history = history + _tokens(new, seed * 100 + t)
+            history = history + random_tokens(new, seed * 100 + t)
             out = c.generate(input_ids=history, max_tokens=gen, ignore_eos=True)
             assert out.token_ids == greedy(ref, history, gen), f"turn {t}"
             seen.append((len(history), out.usage.cached_tokens.total))
@@ -59,7 +42,6 @@ def _conversation(endpoint: str, ref, turns: int = 4, seed: int = 3, new: int = 
 def test_strategies_cache_generated_text_as_specified(server_factory, model_dir, ref, strategy, extra):
     server = server_factory(model_dir, *_flags(strategy, *extra))
     seen = _conversation(server.endpoint, ref)
-    prev_prompt = 0
     for t, (prompt_len, cached) in enumerate(seen):
         if t == 0:
             assert cached == 0
@@ -76,7 +58,6 @@ def test_strategies_cache_generated_text_as_specified(server_factory, model_dir,
 def test_lazy_allocation_failure_completes_and_inserts_nothing_tracked(server_factory, model_dir, ref):
     server = server_factory(model_dir, *_flags("extra_buffer_lazy", "--debug-fail-lazy-alloc"))
     seen = _conversation(server.endpoint, ref)
-    prev_prompt = 0
     for prompt_len, cached in seen[1:]:
         assert cached <= prompt_len
     for t in range(1, len(seen)):
@@ -92,7 +73,7 @@ def test_memory_pressure_completes_every_request_through_retraction(server_facto
         model_dir, "--max-total-tokens", "384", "--max-context-len", "384", "--max-mamba-cache-size", "24",
         "--mamba-track-interval", str(PAGE),
     )
-    prompts = [_tokens(90 + 7 * i, seed=500 + i) for i in range(6)]
+    prompts = [random_tokens(90 + 7 * i, seed=500 + i) for i in range(6)]
     want = [greedy(ref, p, 60) for p in prompts]
 
     async def run():
