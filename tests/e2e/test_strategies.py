@@ -42,6 +42,7 @@ def _conversation(endpoint: str, ref, turns: int = 4, seed: int = 3, new: int = 
 def test_strategies_cache_generated_text_as_specified(server_factory, model_dir, ref, strategy, extra):
     server = server_factory(model_dir, *_flags(strategy, *extra))
     seen = _conversation(server.endpoint, ref)
+    prev_prompt = 0
     for t, (prompt_len, cached) in enumerate(seen):
         if t == 0:
             assert cached == 0
