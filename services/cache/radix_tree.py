@@ -24,7 +24,11 @@ node above its range, and releases by walking parents: a split inside the range 
 carries the same counts, and a split of the boundary node happens above the boundary.
 
 Eviction order. Device KV is evicted leaf by leaf (a leaf whose children are all off device counts),
-states over all nodes; the queues in eviction.py decide the order. KV recency is refreshed along
+states over all nodes. Host KV goes by deleting host-only leaves first; once none is left, host
+eviction drops "mirrors", the host copies of device-resident nodes with no child on host, deepest
+first, and leaves the nodes on device (under write_through the mirrors would otherwise fill the host
+pool and refuse every later backup and prefetch: sglang #33862); a later backup copies them again.
+The queues in eviction.py decide the order within each kind. KV recency is refreshed along
 the consumed path, state recency only on the consumed state (sglang #31643). A state consumed once
 and then followed by a deeper state on the same chain (the next turn of a conversation) expires
 at once: it is dead weight that the touch would otherwise keep over other conversations' states.
@@ -75,6 +79,9 @@ class TreeNode:
         "last_access",
         "state_access",
         "num_device_children",
+        "num_host_children",
+        "num_held_host_children",
+        "host_held",
         "warm",
         "state_warm",
         "page_hashes",
@@ -98,6 +105,11 @@ class TreeNode:
         self.last_access = 0  # KV recency (use stamp)
         self.state_access = 0  # state recency; refreshed only when this node's state is consumed
         self.num_device_children = 0
+        self.num_host_children = 0
+        # Host KV that host eviction cannot free now: pinned (host_ref / host_mamba_ref) or above a held
+        # child, since host KV is top-closed. Kept by RadixTree._refresh_hold.
+        self.num_held_host_children = 0
+        self.host_held = False
         # Proven reuse, for scan-resistant eviction: the KV / the state was hit, or was inserted by a
         # request that continued a hit (the frontier of a conversation that is being reused).
         self.warm = False
@@ -330,6 +342,7 @@ class RadixTree:
         self._dev_states: EvictionQueue = make_queue(eviction_policy, seed + 1)
         self._host_leaves: EvictionQueue = make_queue(eviction_policy, seed + 2)
         self._host_states: EvictionQueue = make_queue(eviction_policy, seed + 3)
+        self._host_mirrors: EvictionQueue = make_queue(eviction_policy, seed + 4)
 
         self._dev_pages_used = 0
         self._dev_pages_protected = 0
@@ -383,11 +396,13 @@ class RadixTree:
 
     @property
     def host_pages_protected(self) -> int:
-        """Host pages pinned by host_ref (a transfer is reading or writing them)."""
+        """Host pages that host eviction cannot free now: those of nodes pinned by host_ref or
+        host_mamba_ref (a transfer is reading or writing them) and of their ancestors."""
         return self._host_pages_protected
 
     @property
     def host_pages_evictable(self) -> int:
+        """Host pages repeated `evict_host` can free: host-only nodes and mirrors of device nodes."""
         return self._host_pages_used - self._host_pages_protected
 
     @property
@@ -475,6 +490,8 @@ class RadixTree:
                 device_len += len(n.key)
                 if n in dev_leaves:
                     dev_leaves.touch(n, tick, True)
+                if n in self._host_mirrors:
+                    self._host_mirrors.touch(n, tick, True)
             elif n in self._host_leaves:
                 self._host_leaves.touch(n, tick, True)
 
@@ -589,8 +606,14 @@ class RadixTree:
         if node.host_pages is not None:
             upper.host_pages = node.host_pages[:k]
             node.host_pages = node.host_pages[k:]
+            upper.num_host_children = 1
+            # The pages split, so the protected total stays; upper is held exactly when node is.
+            upper.host_held = node.host_held
+            upper.num_held_host_children = int(node.host_held)
             if node in self._host_leaves:
                 self._host_leaves.set_weight(node, len(node.host_pages))
+            if node in self._host_mirrors:
+                self._host_mirrors.set_weight(node, len(node.host_pages))
         if node.page_hashes is not None:
             upper.page_hashes = node.page_hashes[:k]
             node.page_hashes = node.page_hashes[k:]
@@ -751,6 +774,8 @@ class RadixTree:
                 canonical += tree_pages
                 if child in dev_leaves:
                     dev_leaves.touch(child, tick, child.warm)
+                if child in self._host_mirrors:
+                    self._host_mirrors.touch(child, tick, child.warm)
             pos += m
             node = child
 
@@ -830,8 +855,9 @@ class RadixTree:
                     leaf.page_hashes = list(page_hashes[pos // ps :])
                 node.children[leaf.key[:ps]] = leaf
                 self._host_pages_used += len(leaf.host_pages)
-                self._sync_host_leaf(node)
-                self._sync_host_leaf(leaf)
+                node.num_host_children += 1
+                self._sync_host_kv(node)
+                self._sync_host_kv(leaf)
                 node = leaf
                 pos = n_tok
                 break
@@ -847,9 +873,11 @@ class RadixTree:
                 if child.host_pages is None:
                     child.host_pages = seg
                     self._host_pages_used += len(seg)
+                    node.num_host_children += 1
                     if page_hashes is not None and child.page_hashes is None:
                         child.page_hashes = list(page_hashes[pos // ps : (pos + m) // ps])
-                    self._sync_host_leaf(child)
+                    self._sync_host_kv(node)
+                    self._sync_host_kv(child)
                 else:
                     dups += seg
             elif child.host_pages is None:
@@ -915,7 +943,7 @@ class RadixTree:
         self._dev_pages_used += len(pages)
         self._add_device_child(node.parent)  # type: ignore[arg-type]
         self._sync_dev_leaf(node)
-        self._host_leaves.discard(node)
+        self._sync_host_kv(node)
 
     def _add_device_child(self, parent: TreeNode) -> None:
         parent.num_device_children += 1
@@ -963,17 +991,44 @@ class RadixTree:
         return acc.result(self)
 
     def evict_host(self, num_pages: int) -> EvictResult:
-        """Free host pages by deleting unprotected host-only leaves (no children) in policy order."""
+        """Free host pages: delete unprotected host-only leaves (no children) in policy order, then,
+        once none is left, drop the host copies of device nodes without a child on host (mirrors).
+
+        Never frees device memory, so match_prefix / insert results stay valid across it.
+        """
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
         acc = _Freed(self)
         target = self._host_pages_used - num_pages
         while self._host_pages_used > target:
             n = self._host_leaves.pop()
+            if n is not None:
+                self._delete(n, acc, on_device=False)
+                continue
+            n = self._host_mirrors.pop()
             if n is None:
                 break
-            self._delete(n, acc, on_device=False)
+            self._drop_mirror(n)
         return acc.result(self)
+
+    def _drop_mirror(self, n: TreeNode) -> None:
+        """Free the host KV and host state of a device node (no longer in the mirror queue); the node stays."""
+        pages = n.host_pages
+        assert pages is not None and n.device_pages is not None and n.num_host_children == 0
+        assert n.host_ref == 0 and n.host_mamba_ref == 0 and not n.host_held
+        self._host_kv.free(pages)  # type: ignore[union-attr]
+        self._host_pages_used -= len(pages)
+        n.host_pages = None
+        if n.host_state is not None:
+            self._host_states.discard(n)
+            self._host_state.free([n.host_state])  # type: ignore[union-attr]
+            n.host_state = None
+            self._host_states_used -= 1
+        parent = n.parent
+        assert parent is not None
+        parent.num_host_children -= 1
+        if parent is not self._root:
+            self._sync_host_kv(parent)  # may be a mirror now: deepest-first falls out of this
 
     def evict_host_state(self, num_slots: int) -> EvictResult:
         """Free host state slots over unprotected host states: a host leaf is deleted entirely, any
@@ -1026,7 +1081,7 @@ class RadixTree:
         assert parent is not None
         parent.num_device_children -= 1
         self._sync_dev_leaf(parent)
-        self._sync_host_leaf(n)
+        self._sync_host_kv(n)
 
     def _delete(self, n: TreeNode, acc: _Freed, on_device: bool) -> None:
         """Delete a childless, unreferenced node with everything it holds, then its dead ancestors.
@@ -1036,7 +1091,7 @@ class RadixTree:
         """
         while True:
             assert not n.children and n.lock_ref == 0 and n.mamba_lock_ref == 0
-            assert n.host_ref == 0 and n.host_mamba_ref == 0
+            assert n.host_ref == 0 and n.host_mamba_ref == 0 and not n.host_held
             parent = n.parent
             assert parent is not None
             if n.device_pages is not None:
@@ -1052,9 +1107,11 @@ class RadixTree:
                 self._dev_states_used -= 1
             if n.host_pages is not None:
                 self._host_leaves.discard(n)
+                self._host_mirrors.discard(n)
                 self._host_kv.free(n.host_pages)  # type: ignore[union-attr]
                 self._host_pages_used -= len(n.host_pages)
                 n.host_pages = None
+                parent.num_host_children -= 1
             if n.host_state is not None:
                 self._host_states.discard(n)
                 self._host_state.free([n.host_state])  # type: ignore[union-attr]
@@ -1078,7 +1135,7 @@ class RadixTree:
             ):
                 if parent is not self._root:
                     self._sync_dev_leaf(parent)
-                    self._sync_host_leaf(parent)
+                    self._sync_host_kv(parent)
                 return
             n = parent
 
@@ -1111,6 +1168,7 @@ class RadixTree:
         # Host eviction below cannot delete anything on this path: it deletes host-only leaves and then
         # childless stateless ancestors; nodes in `seg` have no host KV, hence no host-only
         # descendants, `node` keeps its device state or a child, and ancestors above keep a child.
+        # It may drop mirrors, though: `top` is pinned meanwhile, as the copies will hang from it.
         host_pages: list[int] = []
         if seg:
             need = 0
@@ -1118,7 +1176,12 @@ class RadixTree:
                 need += len(x.device_pages)  # type: ignore[arg-type]
             got = self._host_kv.alloc(need)
             if got is None:
+                guard = top is not self._root
+                if guard:
+                    self._protect_host_kv(top)
                 self.evict_host(need - self._host_kv.num_free)
+                if guard:
+                    self._release_host_kv(top)
                 got = self._host_kv.alloc(need)
                 if got is None:
                     return None
@@ -1144,6 +1207,8 @@ class RadixTree:
             dev_flat += dp  # type: ignore[arg-type]
             self._host_pages_used += k
             self._protect_host_kv(x)
+            x.parent.num_host_children += 1  # type: ignore[union-attr]
+            self._sync_host_kv(x.parent)  # type: ignore[arg-type]  # `top` is no mirror any more
         dev_states: list[int] = []
         host_states: list[int] = []
         if host_slot is not None:
@@ -1268,30 +1333,50 @@ class RadixTree:
         self._release_range(op._bottom, op._top, op._state_node)
 
     def _protect_host_kv(self, n: TreeNode) -> None:
-        if n.host_ref == 0:
-            self._host_pages_protected += len(n.host_pages)  # type: ignore[arg-type]
-            self._host_leaves.discard(n)
         n.protect_host()
+        if n.host_ref == 1:
+            self._refresh_hold(n)
+            self._sync_host_kv(n)
 
     def _protect_host_state(self, n: TreeNode) -> None:
-        if n.host_mamba_ref == 0:
+        n.protect_host_mamba()
+        if n.host_mamba_ref == 1:
             self._host_states_protected += 1
             self._host_states.discard(n)
-            self._host_leaves.discard(n)
-        n.protect_host_mamba()
+            self._refresh_hold(n)
+            self._sync_host_kv(n)
 
     def _release_host_kv(self, n: TreeNode) -> None:
         n.release_host()
         if n.host_ref == 0:
-            self._host_pages_protected -= len(n.host_pages)  # type: ignore[arg-type]
-            self._sync_host_leaf(n)
+            self._refresh_hold(n)
+            self._sync_host_kv(n)
 
     def _release_host_state(self, n: TreeNode) -> None:
         n.release_host_mamba()
         if n.host_mamba_ref == 0:
             self._host_states_protected -= 1
             self._sync_host_state(n)
-            self._sync_host_leaf(n)
+            self._refresh_hold(n)
+            self._sync_host_kv(n)
+
+    def _refresh_hold(self, n: TreeNode) -> None:
+        """After n's pins changed: update `host_held` up the path, and the protected page count.
+
+        A pinned node keeps its host ancestors too (host KV is top-closed), so host_pages_protected
+        counts them and host_pages_evictable stays what evict_host can really free. The walk stops
+        at the first node whose status does not change.
+        """
+        root = self._root
+        while n is not root:
+            held = n.host_ref > 0 or n.host_mamba_ref > 0 or n.num_held_host_children > 0
+            if held == n.host_held:
+                return
+            n.host_held = held
+            step = 1 if held else -1
+            self._host_pages_protected += step * len(n.host_pages)  # type: ignore[arg-type]
+            n = n.parent  # type: ignore[assignment]
+            n.num_held_host_children += step
 
     def _release_range(self, bottom: TreeNode | None, top: TreeNode, state_node: TreeNode | None) -> None:
         n = bottom
@@ -1320,17 +1405,24 @@ class RadixTree:
         else:
             q.discard(n)
 
-    def _sync_host_leaf(self, n: TreeNode) -> None:
-        q = self._host_leaves
-        if (
-            n.device_pages is None
-            and n.host_pages is not None
-            and not n.children
+    def _sync_host_kv(self, n: TreeNode) -> None:
+        """Put n in the host-leaf queue (host-only) or the mirror queue (on device) when host eviction
+        may free its host KV now, else in neither: unpinned, with no child on host."""
+        free_now = (
+            n.host_pages is not None
+            and n.num_host_children == 0
             and n.host_ref == 0
             and n.host_mamba_ref == 0
-        ):
+            and n is not self._root
+        )
+        if n.device_pages is None:
+            q, other = self._host_leaves, self._host_mirrors
+        else:
+            q, other = self._host_mirrors, self._host_leaves
+        other.discard(n)
+        if free_now:
             if n not in q:
-                q.add(n, n.last_access, n.warm, len(n.host_pages))
+                q.add(n, n.last_access, n.warm, len(n.host_pages))  # type: ignore[arg-type]
         else:
             q.discard(n)
 
@@ -1386,6 +1478,8 @@ class RadixTree:
         want_ds: set[TreeNode] = set()
         want_hl: set[TreeNode] = set()
         want_hs: set[TreeNode] = set()
+        want_hm: set[TreeNode] = set()
+        order: list[TreeNode] = []  # parents before children: reversed, it is bottom-up
         num_nodes = 0
         ids: set[int] = set()
         stack = [root]
@@ -1395,7 +1489,9 @@ class RadixTree:
             if node.id in ids:
                 fail(node, "id is not unique")
             ids.add(node.id)
+            order.append(node)
             dev_children = 0
+            host_children = 0
             child_lock_sum = 0
             for k, c in node.children.items():
                 if c.parent is not node:
@@ -1405,9 +1501,13 @@ class RadixTree:
                 if c.device_pages is not None:
                     dev_children += 1
                     child_lock_sum += c.lock_ref
+                if c.host_pages is not None:
+                    host_children += 1
                 stack.append(c)
             if dev_children != node.num_device_children:
                 fail(node, f"num_device_children {node.num_device_children} != {dev_children}")
+            if host_children != node.num_host_children:
+                fail(node, f"num_host_children {node.num_host_children} != {host_children}")
             if node is root:
                 continue
             for name in ("lock_ref", "mamba_lock_ref", "host_ref", "host_mamba_ref", "hit_count"):
@@ -1437,8 +1537,6 @@ class RadixTree:
                 for p in hp:
                     own("host page", p, node)
                 totals["hp_used"] += npages
-                if node.host_ref:
-                    totals["hp_prot"] += npages
             if node.page_hashes is not None and len(node.page_hashes) != npages:
                 fail(node, "page_hashes length differs from the page count")
             if node.device_state is not None:
@@ -1473,15 +1571,32 @@ class RadixTree:
                 want_ds.add(node)
             if hp is not None and dp is None and not node.children and node.host_ref == 0 and node.host_mamba_ref == 0:
                 want_hl.add(node)
+            if hp is not None and dp is not None and not host_children and node.host_ref == 0 and node.host_mamba_ref == 0:
+                want_hm.add(node)
             if node.host_state is not None and node.host_mamba_ref == 0:
                 want_hs.add(node)
 
         if num_nodes != self._num_nodes:
             raise AssertionError(f"tree: num_nodes counter {self._num_nodes} != {num_nodes} reachable")
+        # Held host KV (host eviction cannot free it now): pinned, or above a held node.
+        held: set[TreeNode] = set()
+        for node in reversed(order):
+            held_children = sum(c in held for c in node.children.values())
+            if node.num_held_host_children != held_children:
+                fail(node, f"num_held_host_children {node.num_held_host_children} != {held_children}")
+            if node is root:
+                continue
+            is_held = node.host_ref > 0 or node.host_mamba_ref > 0 or held_children > 0
+            if node.host_held != is_held:
+                fail(node, f"host_held is {node.host_held}, recomputed {is_held}")
+            if is_held:
+                held.add(node)
+                totals["hp_prot"] += len(node.host_pages)  # type: ignore[arg-type]
         for qname, q, want in (
             ("device-leaf queue", self._dev_leaves, want_dl),
             ("device-state queue", self._dev_states, want_ds),
             ("host-leaf queue", self._host_leaves, want_hl),
+            ("host-mirror queue", self._host_mirrors, want_hm),
             ("host-state queue", self._host_states, want_hs),
         ):
             q.check()

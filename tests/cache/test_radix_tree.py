@@ -657,10 +657,11 @@ def test_host_eviction_never_frees_device_memory():
     e.tree.evict(1)  # the only device leaf is the child: demoted, the parent stays on device
     assert child.node.device_pages is None and parent.node.device_pages is not None
     free_before = e.kv.num_free
-    res = e.tree.evict_host(100)
-    assert res.num_host_pages == 2 and res.num_pages == 0 and e.kv.num_free == free_before
+    res = e.tree.evict_host(100)  # the host-only child, then the parent's mirror
+    assert res.num_host_pages == 4 and res.num_pages == 0 and e.kv.num_free == free_before
     assert not child.node.is_attached
     assert parent.node.is_attached and parent.node.device_pages == parent.pages  # dead but left to device eviction
+    assert parent.node.host_pages is None
     e.check()
     assert e.tree.evict(10).num_pages == 2
     e.check()
@@ -679,4 +680,128 @@ def test_write_back_eviction_whose_backup_evicts_the_nodes_last_child():
     e.ack(ev.backups)
     assert not child.is_attached
     assert parent.device_pages is None and parent.host_state is not None
+    e.check()
+
+
+# ---------------------------------------------------------------------- host mirrors (sglang #33862)
+
+
+def _chain(e: Env, *lengths: int) -> list[TreeNode]:
+    """Insert a chain of prefixes 1..n under write_through and acknowledge the backups."""
+    nodes = []
+    for n in lengths:
+        res = e.put(list(range(1, n + 1)))
+        e.ack(res.backups)
+        nodes.append(res.node)
+    return nodes
+
+
+def test_host_eviction_drops_mirrors_of_device_nodes_deepest_first():
+    """write_through fills the host pool with copies of device nodes; host eviction must be able to
+    free them (sglang #33862), one node at a time from the bottom, leaving every node on device."""
+    e = make(pages=16, host_pages=6, host_slots=4)
+    a, b, c = _chain(e, 2, 4, 6)
+    assert e.hkv.num_free == 0 and e.tree.host_pages_evictable == 6
+    dev = {n: list(n.device_pages) for n in (a, b, c)}
+    res = e.tree.evict_host(1)
+    assert (res.num_host_pages, res.num_host_states, res.num_pages, res.num_states) == (2, 1, 0, 0)
+    assert c.host_pages is None and c.host_state is None and b.host_pages is not None
+    e.check()
+    assert e.tree.evict_host(2).num_host_pages == 2 and b.host_pages is None and a.host_pages is not None
+    e.check()
+    assert e.tree.evict_host(100).num_host_pages == 2
+    assert e.hkv.num_free == 6 and e.hst.num_free == 4 and e.tree.host_pages_evictable == 0
+    for n in (a, b, c):
+        assert n.is_attached and n.device_pages == dev[n] and n.device_state is not None
+    m = e.tree.match_prefix([1, 2, 3, 4, 5, 6, 7])
+    assert m.node is c and m.state_tier == "device" and m.device_pages == dev[a] + dev[b] + dev[c]
+    e.check()
+
+
+def test_host_eviction_prefers_host_only_leaves_then_mirrors_in_lru_order():
+    e = make(pages=8, host_pages=8, host_slots=4)
+    (z,) = _chain(e, 2)
+    x = e.put([11, 12])
+    y = e.put([21, 22])
+    e.ack(x.backups + y.backups)
+    e.tree.evict(2)  # z is the least recently used device leaf: demoted, host-only
+    assert z.device_pages is None and z.host_pages is not None
+    e.tree.match_prefix([11, 12, 13])  # x becomes the most recently used mirror
+    assert e.tree.evict_host(2).num_host_pages == 2 and not z.is_attached
+    assert x.node.host_pages is not None and y.node.host_pages is not None
+    assert e.tree.evict_host(2).num_host_pages == 2
+    assert y.node.host_pages is None and x.node.host_pages is not None and y.node.device_pages is not None
+    e.check()
+
+
+def test_pinned_mirrors_and_their_ancestors_are_not_host_evictable():
+    e = make(pages=16, host_pages=12, host_slots=4)
+    a, b = _chain(e, 2, 4)
+    side = e.put([1, 2, 9, 9])  # a sibling of b under a
+    e.ack(side.backups)
+    other = e.put([5, 6])
+    e.ack(other.backups)
+    pin = e.tree.protect_host(b, kv=True)
+    # a and b are held (b pinned, a above it): only side and other are freeable.
+    assert e.tree.host_pages_protected == 4 and e.tree.host_pages_evictable == 4
+    e.check()
+    res = e.tree.evict_host(100)
+    assert res.num_host_pages == 4 and e.tree.host_pages_evictable == 0
+    assert side.node.host_pages is None and other.node.host_pages is None
+    assert a.host_pages is not None and b.host_pages is not None
+    e.check()
+    e.tree.release_host(pin)
+    state_pin = e.tree.protect_host(b, kv=False, state=True)  # a state pin holds the KV too
+    assert e.tree.evict_host(100).num_host_pages == 0
+    e.tree.release_host(state_pin)
+    assert e.tree.host_pages_evictable == 4 and e.tree.evict_host(100).num_host_pages == 4
+    assert a.device_pages is not None and b.device_pages is not None
+    e.check()
+
+
+def test_a_pending_backup_holds_its_path_against_host_eviction():
+    e = make(pages=16, host_pages=16, host_slots=4)
+    _chain(e, 2)
+    res = e.put([1, 2, 3, 4])  # its backup is pending: [3, 4] pinned, [1, 2] held above it
+    assert e.tree.host_pages_protected == 4 and e.tree.evict_host(100).num_host_pages == 0
+    e.ack(res.backups)
+    assert e.tree.host_pages_protected == 0 and e.tree.evict_host(100).num_host_pages == 4
+    e.check()
+
+
+def test_backup_refused_for_a_host_pool_full_of_mirrors_now_succeeds():
+    e = make(pages=16, host_pages=4, host_slots=1)
+    (old,) = _chain(e, 4)
+    assert e.hkv.num_free == 0 and e.hst.num_free == 0
+    new = e.put([7, 8])
+    (op,) = new.backups  # the old tree returned no backup here: the mirror could not be evicted
+    assert len(op.host_pages) == 2 and len(op.host_states) == 1
+    assert old.host_pages is None and old.host_state is None
+    assert old.device_pages is not None and old.device_state is not None
+    e.ack([op])
+    assert e.tree.match_prefix([1, 2, 3, 4, 5]).node is old
+    e.check()
+
+
+def test_backup_keeps_the_mirror_its_copies_hang_from():
+    """The deepest host node of the path being backed up is a mirror; the host eviction that makes
+    room must not drop it, or the new copy would hang below a node off host (host KV is top-closed)."""
+    e = make(pages=16, host_pages=4, host_slots=4)
+    a, b = _chain(e, 2, 4)
+    c = e.put([1, 2, 3, 4, 5, 6])
+    assert c.backups == []  # b is kept and a is above it: nothing else to free
+    assert a.host_pages is not None and b.host_pages is not None and c.node.host_pages is None
+    e.check()
+    x = e.put([7, 8])  # x's copy hangs from the root: b, the deepest mirror, makes room
+    assert len(x.backups) == 1 and b.host_pages is None and a.host_pages is not None
+    e.ack(x.backups)
+    e.check()
+
+
+def test_host_state_eviction_drops_only_the_state_of_a_mirror():
+    e = make(pages=16, host_pages=16, host_slots=4)
+    (a,) = _chain(e, 2)
+    res = e.tree.evict_host_state(1)
+    assert res.num_host_states == 1 and res.num_host_pages == 0
+    assert a.host_state is None and a.host_pages is not None and a.device_state is not None
     e.check()

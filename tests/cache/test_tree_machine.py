@@ -77,7 +77,7 @@ class TreeMachine(RuleBasedStateMachine):
         num_pages=st.integers(8, 24),
         num_slots=st.integers(3, 6),
         host=st.sampled_from(["none", "kv", "both"]),
-        host_factor=st.sampled_from([0.5, 1, 2]),
+        host_factor=st.sampled_from([0.25, 0.5, 1, 2]),  # small pools: mirrors fill the host
         write_policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
         eviction_policy=st.sampled_from(["lru", "scan_resistant"]),
     )
@@ -283,7 +283,7 @@ class TreeMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ eviction
 
-    @rule(kind=st.sampled_from(["kv", "state", "host_kv", "host_state"]), n=st.integers(0, 8))
+    @rule(kind=st.sampled_from(["kv", "state", "host_kv", "host_state"]), n=st.integers(0, 8) | st.just(10**6))
     def evict(self, kind, n):
         tree = self.tree
         pool = {"kv": self.kv, "state": self.st, "host_kv": self.hkv, "host_state": self.hst}[kind]
@@ -304,8 +304,9 @@ class TreeMachine(RuleBasedStateMachine):
                 assert tree.device_pages_evictable == 0
             elif kind == "state":
                 assert tree.device_states_evictable == 0
-            elif kind == "host_kv":
-                assert len(tree._host_leaves) == 0
+            elif kind == "host_kv":  # host-only leaves and mirrors of device nodes are both gone
+                assert len(tree._host_leaves) == 0 and len(tree._host_mirrors) == 0
+                assert tree.host_pages_evictable == 0
             else:
                 assert tree.host_states_evictable == 0
 
@@ -352,6 +353,20 @@ class TreeMachine(RuleBasedStateMachine):
             lop, pages, states = self.loads.pop(i - len(self.backups))
             self._finish_transfer(pages, states)
             self.tree.load_back_done(lop)
+
+    @precondition(lambda self: self.backups or self.loads)
+    @rule()
+    def ack_all(self):
+        """The worker catches up: every pending transfer is acknowledged, so host KV is unpinned
+        (write_through then leaves the host pool full of evictable mirrors of device nodes)."""
+        for op, pages, states in self.backups:
+            self._finish_transfer(pages, states)
+            self.tree.backup_done(op)
+        for lop, pages, states in self.loads:
+            self._finish_transfer(pages, states)
+            self.tree.load_back_done(lop)
+        self.backups.clear()
+        self.loads.clear()
 
     # ------------------------------------------------------------------ extra locks and protections
 
