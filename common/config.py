@@ -67,8 +67,10 @@ class CacheConfig(_Section):
     max_mamba_cache_size: NonNegInt = 0  # device recurrent-state slots; 0: derive
     disable_radix_cache: bool = False
     enable_hierarchical_cache: bool = True
-    hicache_tokens: NonNegInt = 0  # host KV capacity in tokens; 0: derive (2x device)
-    hicache_mamba_slots: NonNegInt = 0  # host recurrent-state slots; 0: derive (2x device)
+    hicache_ratio: Annotated[float, msgspec.Meta(gt=0)] = 2.0  # each host pool = its device pool x ratio
+    hicache_size_gb: NonNegFloat = 0.0  # host pools in GB (1e9 B), split like the device pools; overrides the ratio
+    hicache_tokens: NonNegInt = 0  # host KV capacity in tokens; overrides size and ratio for the KV pool
+    hicache_mamba_slots: NonNegInt = 0  # host recurrent-state slots; overrides size and ratio for the state pool
     hicache_write_policy: Literal["write_back", "write_through", "write_through_selective"] = "write_through"
     eviction_policy: Literal["lru", "scan_resistant"] = "lru"
     memory_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.25  # of free memory, when deriving sizes

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from himamba.common.config import Config
+from himamba.common.config import CacheConfig, Config
 from himamba.services.worker.pools import KVSpec, StateSpec
 
 
@@ -58,10 +58,37 @@ def plan_pools(cfg: Config, kv: KVSpec, state: StateSpec, device: torch.device) 
     pages, slots = max(pages, 1), max(slots, 1)
     host_pages = host_slots = 0
     if c.enable_hierarchical_cache and not c.disable_radix_cache:
-        # Host sizes are independent of each other (a Mamba state is worth thousands of tokens
-        # of KV, so sizing the host state pool like the KV pool wastes memory: sglang #29034).
-        host_pages = -(-c.hicache_tokens // c.page_size) if c.hicache_tokens else 2 * pages
-        host_slots = c.hicache_mamba_slots if c.hicache_mamba_slots else 2 * slots
-        if state.num_layers == 0:
-            host_slots = 0
+        recurrent = state.num_layers > 0  # else the state pool is bookkeeping only: nothing on host
+        host_pages, host_slots = host_sizes(c, pages, slots if recurrent else 0, kv_page_bytes, state_bytes)
+        check_host_fits(host_pages * kv_page_bytes + host_slots * state_bytes, host_memory_bytes())
     return PoolPlan(pages, slots, host_pages, host_slots, budget)
+
+
+def host_sizes(c: CacheConfig, pages: int, slots: int, page_bytes: int, slot_bytes: int) -> tuple[int, int]:
+    """Host pages and state slots. Each host pool is sized from its own device pool (a Mamba state
+    is worth thousands of tokens of KV: giving both pools one size wastes memory, sglang #29034):
+    by `hicache_ratio`, or to share `hicache_size_gb` in the device pools' proportions; an explicit
+    count wins for its pool."""
+    if c.hicache_size_gb:
+        host_total, device_total = round(c.hicache_size_gb * 1e9), pages * page_bytes + slots * slot_bytes
+    else:  # integer arithmetic, so a ratio of 3 gives exactly three times the device pool
+        host_total, device_total = round(c.hicache_ratio * 1_000_000), 1_000_000
+    host_pages = -(-c.hicache_tokens // c.page_size) if c.hicache_tokens else pages * host_total // device_total
+    host_slots = (c.hicache_mamba_slots or slots * host_total // device_total) if slots else 0
+    return host_pages, host_slots
+
+
+def host_memory_bytes() -> int:
+    """Memory the host can still give (MemAvailable); a large number when it cannot be read."""
+    return free_memory_bytes(torch.device("cpu"))
+
+
+def check_host_fits(host_bytes: int, available: int) -> None:
+    """Refuse host pools that would take more than 90% of the available memory: the shared-memory
+    pools would be killed by the OOM killer later, mid-serving, instead of failing now."""
+    if host_bytes > 0.9 * available:
+        raise ValueError(
+            f"the host cache pools need {host_bytes / 1e9:.2f} GB but only {available / 1e9:.2f} GB of memory is "
+            "available; lower --hicache-ratio or --hicache-size-gb (or --hicache-tokens / --hicache-mamba-slots), "
+            "or --no-enable-hierarchical-cache"
+        )
