@@ -114,8 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     strategies = [t.strip() for t in args.strategies.split(",") if t.strip()]
+    # The checkpoint it builds and the servers' logs live only as long as the run.
+    with tempfile.TemporaryDirectory(prefix="himamba-bench-") as tmp:
+        return _run(args, strategies, Path(tmp))
 
-    work = Path(tempfile.mkdtemp(prefix="himamba-bench-"))
+
+def _run(args: argparse.Namespace, strategies: list[str], work: Path) -> int:
     model = args.model
     if not model:
         from himamba.services.modelgen.checkpoint import make_checkpoint
