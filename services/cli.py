@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -89,6 +90,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["service"]:
+        # Until the service's event loop takes SIGTERM over, a stop (a process manager stopping a
+        # service that is still importing torch) is a clean exit, not a death by signal.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     if argv[:1] == ["generate"]:
         from himamba.services.generate_cmd import main as generate_main
 
