@@ -1,14 +1,16 @@
-"""Storage-tier chaos (hooks, ready for the storage issue): with the file backend, corrupted or
-truncated objects, a storage directory that vanishes mid-load, and a read-only directory must
-leave answers equal to the no-cache reference, the server up, and nothing leaked. Every test
-skips while `himamba serve` has no `--hicache-storage-backend`."""
+"""Storage-tier chaos with the file backend: corrupted or truncated objects, a storage directory
+that vanishes mid-load, and a read-only directory (a read-only bind mount when the tests run as
+root) must leave answers equal to the no-cache reference, the server up, and nothing leaked."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -77,17 +79,41 @@ def test_storage_directory_removed_mid_load(served, reference_tokens):
     assert_nothing_leaked(wait_drained(served.main))
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through a read-only mode: needs an unprivileged user")
-def test_read_only_storage_directory(storage_server_factory, reference_tokens, tmp_path):
-    store = tmp_path / "ro"
-    store.mkdir()
-    store.chmod(0o555)
+@contextlib.contextmanager
+def _read_only_dir(root: Path) -> Iterator[Path]:
+    """A directory this process cannot write: mode 555, or for root (who writes through modes) a
+    read-only bind mount; skips where neither is possible."""
+    path = root / "ro"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        try:
+            yield path
+        finally:
+            path.chmod(0o755)
+        return
+    source = root / "ro-source"
+    source.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(source), str(path)], capture_output=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"root cannot be kept from writing here (no bind mount: {mounted.stderr.decode().strip()})")
     try:
+        remount = subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], capture_output=True, check=False)
+        if remount.returncode != 0:
+            pytest.skip(f"no read-only remount: {remount.stderr.decode().strip()}")
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+
+
+def test_read_only_storage_directory(storage_server_factory, reference_tokens, tmp_path):
+    with _read_only_dir(tmp_path) as store:
+        with pytest.raises(OSError):
+            (store / "probe").write_bytes(b"x")  # the directory really is read-only to us
         server = storage_server_factory(store, *SMALL_TIERS)
         turns = _conversation_turns(2)
         got = asyncio.run(keep(server.endpoint, turns))
         assert got == reference_tokens([(p.input_ids, p.max_tokens) for p in turns])
         assert server.proc.poll() is None
         assert_nothing_leaked(wait_drained(server))
-    finally:
-        store.chmod(0o755)
+        server.stop()
