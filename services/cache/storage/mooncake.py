@@ -284,20 +284,10 @@ class MooncakeBackend(RemoteBackend):
         check_batch(keys, dest, "dest")
         return self._get_prefix(keys, dest, ValueKind.KV)
 
-    def set_pages(self, keys: Sequence[bytes], blobs: Sequence[Buffer], token_count: int = 0) -> list[bool]:
-        self._check_open()
-        check_batch(keys, blobs, "blobs")
-        return self._set_many(keys, blobs, ValueKind.KV, token_count)
-
     def get_state(self, key: bytes, dest: Buffer) -> bool:
         self._check_open()
         check_batch([key], [dest], "dest")
         return self._get_prefix([key], [dest], ValueKind.STATE) == 1
-
-    def set_state(self, key: bytes, blob: Buffer) -> bool:
-        self._check_open()
-        check_batch([key], [blob], "blob")
-        return self._set_many([key], [blob], ValueKind.STATE, 0)[0]
 
     def close(self) -> None:
         with self._lock:

@@ -118,11 +118,6 @@ class RedisBackend(RemoteBackend):
             n += 1
         return n
 
-    def set_pages(self, keys: Sequence[bytes], blobs: Sequence[Buffer], token_count: int = 0) -> list[bool]:
-        self._check_open()
-        check_batch(keys, blobs, "blobs")
-        return self._set_many(keys, blobs, ValueKind.KV, token_count)
-
     def get_state(self, key: bytes, dest: Buffer) -> bool:
         self._check_open()
         check_batch([key], [dest], "dest")
@@ -132,11 +127,6 @@ class RedisBackend(RemoteBackend):
         except _Unserved:
             return False
         return self._accept(key, name, value, ValueKind.STATE, dest)
-
-    def set_state(self, key: bytes, blob: Buffer) -> bool:
-        self._check_open()
-        check_batch([key], [blob], "blob")
-        return self._set_many([key], [blob], ValueKind.STATE, 0)[0]
 
     def close(self) -> None:
         with self._lock:
