@@ -43,9 +43,11 @@ class PeerTable:
             raise ValueError(f"service must be one of {PEERS}, got {service!r}")
         return peer
 
-    def announce(self, service: str) -> None:
-        """`service` said it is ready (Ready, or WorkerInfo from the worker)."""
-        self._peer(service).announced = True
+    def announce(self, service: str) -> bool:
+        """`service` said it is ready (Ready, or WorkerInfo from the worker); whether that is news."""
+        peer = self._peer(service)
+        news, peer.announced = not peer.announced, True
+        return news
 
     def report(self, service: str, text: str, now: float) -> None:
         """A MetricsReport arrived: `service` is alive and ready; keep its text."""

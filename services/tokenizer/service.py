@@ -287,8 +287,7 @@ class TokenizerService(Actor[ToTokenizer]):
         self.log.warning("scheduler restarted: %d request(s) sent again, %d failed (they had output)", resent, failed)
 
     def _note_peer(self, service: str, how: str) -> None:
-        if service in PEERS:
-            self.peers.announce(service)
+        if service in PEERS and self.peers.announce(service):
             self.log.info("%s is ready (%s)", service, how)
 
     def _record_end(self, entry: RequestEntry, reason: FinishReason, usage: Usage | None) -> None:
