@@ -1,6 +1,6 @@
 """How a recurrent layer walks a prefill batch: per sequence, in segments cut at its capture offsets.
 
-Every recurrent layer kind (Mamba1, gated DeltaNet, short conv, FalconH1's Mamba2) keeps a state
+Every recurrent layer kind (Mamba2, Mamba1, gated DeltaNet, short conv) keeps a state
 per sequence in a slot of the state pool (one dict of named tensors per layer). A prefill runs each
 sequence from its slot's state (or from zeros when it has no cached prefix), stops at every capture
 offset to copy the state out, and finally writes the state back to the sequence's slot. The layer
