@@ -53,7 +53,7 @@ class SchedulerConfig(_Section):
     max_running_requests: PositiveInt = 64
     chunked_prefill_size: PositiveInt = 512  # max new tokens of one prefill forward
     default_max_tokens: PositiveInt = 128
-    mamba_scheduler_strategy: Literal["no_buffer", "extra_buffer", "extra_buffer_lazy"] = "extra_buffer_lazy"
+    mamba_scheduler_strategy: Literal["no_buffer", "extra_buffer", "extra_buffer_lazy", "single_buffer"] = "extra_buffer_lazy"
     mamba_track_interval: PositiveInt = 64
     disable_overlap: bool = False
     debug_fail_lazy_alloc: bool = False  # test hook: every lazy track-slot allocation fails

@@ -86,6 +86,11 @@ class AddRequest(Message):
     max_tokens: int  # resolved against the server default and the context length
     eos_token_ids: list[int] = []
     arrival_time: float = 0.0
+    # n > 1: the samples of one client request arrive together. `siblings` (on sample 0) names the
+    # other samples; each of those carries `first` = sample 0's rid and waits for its prefill, so
+    # it finds the prompt in the cache. Admission of sample 0 reserves every sibling's state slots.
+    siblings: list[str] = []
+    first: str = ""
 
 
 class AbortRequest(Message):
@@ -122,21 +127,31 @@ class TokenBatch(Message):
 
 
 class SeqPlan(msgspec.Struct, frozen=True, array_like=True):
-    """One sequence of a RunBatch. Its new tokens and pages are slices of the batch tensors."""
+    """One sequence of a RunBatch. Its new tokens are a slice of the batch's `input_ids`.
+
+    The worker keeps each running sequence's page table (and sampling state) between steps, so a
+    step carries only what changed: `table[page_start:page_start + num_new_pages]` is overwritten
+    (or extended) with the next `num_new_pages` entries of the batch's `pages` tensor. `reset`
+    starts a fresh table (a new admission); only then are `sampling`, `history` and `num_prompt`
+    sent.
+    """
 
     rid: str
     prefix_len: int  # tokens already in KV (and reflected in the state slot)
     new_len: int
-    num_pages: int  # pages of this sequence in the batch's `pages` tensor
     state_slot: int
     state_init: Literal["keep", "zero", "copy"] = "keep"
     state_src: int = 0  # the slot to copy from when state_init == "copy"
     captures: list[tuple[int, int]] = []  # (offset into the new tokens, destination slot)
-    sampling: SamplingParams = SamplingParams()
     step: int = 0  # number of tokens generated so far (seeds the per-request sampler)
-    # Context tokens, sent only when a repetition/frequency/presence penalty is set.
+    reset: bool = False
+    page_start: int = 0
+    num_new_pages: int = 0
+    sampling: SamplingParams | None = None  # with `reset`
+    # With `reset`, when a repetition/frequency/presence penalty is set: the context tokens before
+    # `prefix_len` (served from cache); the worker counts every token it is fed after them.
     history: list[int] = []
-    num_prompt: int = 0  # history[:num_prompt] is the prompt
+    num_prompt: int = 0  # context[:num_prompt] is the prompt
 
 
 class Transfer(msgspec.Struct, frozen=True, array_like=True):
@@ -153,7 +168,8 @@ class Transfer(msgspec.Struct, frozen=True, array_like=True):
 class RunBatch(Message):
     """Run one forward (prefill or decode) and sample one token per sequence.
 
-    Frames: input_ids [T] int64, pages [sum(num_pages)] int64. Transfers run before the forward.
+    Frames: input_ids [T] int64, pages [sum(num_new_pages)] int64. Transfers run before the forward;
+    `dropped` sequences (finished or retracted) lose their page tables first.
     """
 
     batch_id: int
@@ -162,6 +178,7 @@ class RunBatch(Message):
     input_ids: TensorRef | None = None
     pages: TensorRef | None = None
     transfers: list[Transfer] = []
+    dropped: list[str] = []
     return_logits: bool = False
 
 
@@ -203,19 +220,27 @@ class WorkerInfo(Message):
 
 
 # ---------------------------------------------------------------- scheduler <-> cache controller
+#
+# Every op has exactly one result type (RESULT_OF). A result with `ok=False` and an `error` is a
+# refused op (an unknown rid, a slot or page the request does not hold); `reason` on Admitted is
+# a request that does not fit now.
 
 
 class Admit(Message):
     """Match the prompt against the cache, lock the hit, allocate pages and state slots.
 
     `tokens` is the full context to compute (prompt, plus earlier generated tokens on a
-    re-admission). `num_slots` = working slot + track slots the strategy needs.
+    re-admission). `num_slots` = working slot + track slots the strategy needs. `reserve` names
+    sibling samples (n > 1): each gets `num_slots` slots set aside now, all or nothing, which its
+    own Admit later takes. Within one CacheStep, Admits are FCFS: after the first that does not
+    fit, the rest are answered `blocked` without being tried.
     """
 
     rid: str
     tokens: list[int]
     num_slots: int = 1
     use_cache: bool = True
+    reserve: list[str] = []
 
 
 class Admitted(Message):
@@ -225,6 +250,7 @@ class Admitted(Message):
     # Not admitted yet because its storage prefetch is still running (wait_complete / timeout
     # policies): the scheduler tries the requests behind it instead of blocking on it.
     prefetching: bool = False
+    blocked: bool = False  # not tried: an earlier Admit of the same step did not fit
     pages: list[int] = []  # pages for every token of `tokens` (shared prefix first)
     slots: list[int] = []  # [working, *track]
     cached_len: int = 0  # tokens served from cache (KV and state both)
@@ -243,9 +269,18 @@ class Prefetch(Message):
     tokens: list[int]
 
 
+class PrefetchStarted(Message):
+    rid: str
+    started: bool  # False: no storage tier, or nothing to fetch
+
+
 class CancelPrefetch(Message):
     """The request is gone (aborted) before admission: revoke its prefetch."""
 
+    rid: str
+
+
+class PrefetchCancelled(Message):
     rid: str
 
 
@@ -260,6 +295,7 @@ class Extended(Message):
     rid: str
     ok: bool
     new_pages: list[int] = []
+    error: str = ""
 
 
 class AllocSlots(Message):
@@ -271,6 +307,7 @@ class SlotsAllocated(Message):
     rid: str
     ok: bool
     slots: list[int] = []
+    error: str = ""
 
 
 class FreeSlots(Message):
@@ -278,10 +315,17 @@ class FreeSlots(Message):
     slots: list[int]
 
 
+class SlotsFreed(Message):
+    rid: str
+    ok: bool
+    error: str = ""  # a slot the request does not hold: nothing was freed
+
+
 class Insert(Message):
     """Insert `tokens` (whole pages, the request's own pages) with the state in `slot`.
 
-    The request keeps running (chunked prefill, decode tracking): the slot passes to the tree.
+    The request keeps running (chunked prefill, decode tracking): the slot passes to the tree, and
+    the request keeps a lock on the KV of the inserted prefix only (its state is evictable).
     """
 
     rid: str
@@ -291,12 +335,15 @@ class Insert(Message):
 
 class Inserted(Message):
     rid: str
+    ok: bool = True
     pages: list[int] = []  # the canonical pages of the inserted prefix (re-point the page table)
     slot_used: bool = False
+    error: str = ""
 
 
 class Release(Message):
-    """The request is done: insert `tokens` with the state in `slot` (if given), free the rest."""
+    """The request is done: insert `tokens` with the state in `slot` (if given), free the rest.
+    Also gives back slots reserved for a sample that will not be admitted."""
 
     rid: str
     tokens: list[int] = []
@@ -305,10 +352,25 @@ class Release(Message):
 
 class Released(Message):
     rid: str
+    ok: bool = True
+    error: str = ""
 
 
 CacheOp = Union[Admit, Prefetch, CancelPrefetch, Extend, AllocSlots, FreeSlots, Insert, Release]
-CacheResult = Union[Admitted, Extended, SlotsAllocated, Inserted, Released]
+CacheResult = Union[
+    Admitted, PrefetchStarted, PrefetchCancelled, Extended, SlotsAllocated, SlotsFreed, Inserted, Released
+]
+# The one result type of each op.
+RESULT_OF: dict[type, type] = {
+    Admit: Admitted,
+    Prefetch: PrefetchStarted,
+    CancelPrefetch: PrefetchCancelled,
+    Extend: Extended,
+    AllocSlots: SlotsAllocated,
+    FreeSlots: SlotsFreed,
+    Insert: Inserted,
+    Release: Released,
+}
 
 
 class CacheStep(Message):
@@ -319,10 +381,17 @@ class CacheStep(Message):
 
 class CacheStepDone(Message):
     step_id: int
-    results: list[CacheResult]
+    results: list[CacheResult]  # one per op, in op order
     # Copy orders this step produced (backups, load-backs), in the order they must run:
     # the scheduler attaches them to its next RunBatch, before that batch's forward.
     transfers: list[Transfer] = []
+
+
+class PrefetchDone(Message):
+    """Prefetches the scheduler was told to wait for (`Admitted.prefetching`) are over (done,
+    given up or past their deadline): admitting those requests may now succeed."""
+
+    rids: list[str]
 
 
 class TransfersDone(Message):
@@ -367,6 +436,7 @@ class CacheStats(Message):
     cached_pages: int = 0
     cached_slots: int = 0
     running_requests: int = 0
+    cache_steps: int = 0  # CacheStep round trips served since the controller started
     invariants_ok: bool = True
     invariants_error: str = ""
 
@@ -418,7 +488,9 @@ class MetricsReport(Message):
 # ---------------------------------------------------------------- one union per inbox
 
 ToTokenizer = Union[TokenBatch, WorkerInfo, Ready, MetricsReport, Shutdown]
-ToScheduler = Union[AddRequest, AbortRequest, StopRequest, BatchDone, CacheStepDone, CacheReset, WorkerInfo, Shutdown]
+ToScheduler = Union[
+    AddRequest, AbortRequest, StopRequest, BatchDone, CacheStepDone, PrefetchDone, CacheReset, WorkerInfo, Shutdown
+]
 ToWorker = Union[RunBatch, ResetState, Hello, Shutdown]
 ToCache = Union[CacheStep, TransfersDone, WorkerInfo, GetCacheStats, Hello, Shutdown]
 ToLauncher = Union[Ready, Fatal]

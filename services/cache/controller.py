@@ -11,13 +11,15 @@ prefix, protected by the request's lock); `pages[num_shared:]` belong to the req
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import NamedTuple
 
 from himamba.common.config import CacheConfig
 from himamba.common.messages import (
     Admit,
     Admitted,
     AllocSlots,
+    CacheOp,
+    CacheResult,
     CacheStats,
     CancelPrefetch,
     Extend,
@@ -26,14 +28,18 @@ from himamba.common.messages import (
     Insert,
     Inserted,
     Prefetch,
+    PrefetchCancelled,
+    PrefetchStarted,
     Release,
     Released,
     SlotsAllocated,
+    SlotsFreed,
     Transfer,
 )
 from himamba.common.types import CachedTokens
 from himamba.services.cache.allocator import PageAllocator, SlotAllocator
-from himamba.services.cache.radix_tree import BackupOp, LoadOp, RadixTree
+from himamba.services.cache.radix_tree import BackupOp, InsertResult, LoadOp, LockReceipt, MatchResult, RadixTree, TreeNode
+from himamba.services.cache.storage.io_workers import StorageIO
 from himamba.services.cache.storage_tier import StorageTier
 
 
@@ -45,10 +51,18 @@ class RequestAlloc:
     pages: list[int] = field(default_factory=list)
     num_shared: int = 0  # leading pages owned by the tree
     slots: list[int] = field(default_factory=list)
-    receipt: Any = None  # the tree's LockReceipt for the shared prefix
+    receipt: LockReceipt | None = None  # the tree's lock on the shared prefix
 
 
-def _path_pages(node: Any) -> list[int]:
+class _AdmitPlan(NamedTuple):
+    """How an Admit will be served, decided before anything is evicted or allocated."""
+
+    node: TreeNode  # the cached prefix to lock (the root for none)
+    cached_len: int
+    load: bool  # load root..node's host part back to device first
+
+
+def _path_pages(node: TreeNode) -> list[int]:
     """Device pages of root..node (the whole path must be on device)."""
     parts = []
     while node.parent is not None:
@@ -112,11 +126,15 @@ class CacheController:
                 eviction_policy=cfg.eviction_policy,
             )
         self.requests: dict[str, RequestAlloc] = {}
-        self.pending: dict[int, Any] = {}  # op_id -> tree op (BackupOp | LoadOp) awaiting the worker's ack
+        # Slots set aside for sibling samples (n > 1) that are not admitted yet, by their rid.
+        self.reserved: dict[str, list[int]] = {}
+        # Requests told to wait for their prefetch; `take_prefetch_ready` reports when they may go.
+        self.awaiting_prefetch: set[str] = set()
+        self.pending: dict[int, BackupOp | LoadOp] = {}  # op_id -> tree op awaiting the worker's ack
         self._transfers: list[Transfer] = []  # produced since the last take_transfers()
         self.storage: StorageTier | None = None  # set by attach_storage
 
-    def attach_storage(self, io: Any, fingerprint: bytes) -> StorageTier | None:
+    def attach_storage(self, io: StorageIO, fingerprint: bytes) -> StorageTier | None:
         """Turn on the storage tier over `io` (a StorageIO on the shared host pools); needs the
         radix cache and a host tier, else does nothing and returns None."""
         if self.tree is None or self.host_kv is None:
@@ -126,14 +144,14 @@ class CacheController:
 
     # ------------------------------------------------------------ copy orders
 
-    def _order_backups(self, ops: Any) -> None:
+    def _order_backups(self, ops: list[BackupOp]) -> None:
         for op in ops:
             self.pending[op.op_id] = op
             self._transfers.append(
                 Transfer(op.op_id, "d2h", list(op.device_pages), list(op.host_pages), list(op.device_states), list(op.host_states))
             )
 
-    def _order_load(self, op: Any) -> None:
+    def _order_load(self, op: LoadOp) -> None:
         self._order_backups(op.backups)  # room was made by write_back evictions: copy those first
         self.pending[op.op_id] = op
         self._transfers.append(
@@ -153,21 +171,31 @@ class CacheController:
             if op is None:
                 continue
             self.host_copies.count(op)
+            assert self.tree is not None
             if isinstance(op, LoadOp):
-                self.tree.load_back_done(op)  # type: ignore[union-attr]
+                self.tree.load_back_done(op)
             else:
-                self.tree.backup_done(op)  # type: ignore[union-attr]
+                self.tree.backup_done(op)
                 if self.storage is not None:
                     # The host copy is acknowledged: now storage may read it.
                     self.storage.backup(op.node)
 
-    # ------------------------------------------------------------ allocation with eviction
+    # ------------------------------------------------------------ allocation (check, then evict)
+
+    def pages_available(self) -> int:
+        """Device pages that can be had now: free, or cached and unlocked (evictable)."""
+        return self.device_kv.num_free + (self.tree.device_pages_evictable if self.tree is not None else 0)
+
+    def slots_available(self) -> int:
+        """Device state slots that can be had now: free, or cached states that are not locked."""
+        return self.device_state.num_free + (self.tree.device_states_evictable if self.tree is not None else 0)
 
     def _alloc_pages(self, n: int) -> list[int] | None:
+        """`n` device pages, evicting cached ones only when that is sure to give enough."""
         if n <= 0:
             return []
         pages = self.device_kv.alloc(n)
-        if pages is None and self.tree is not None:
+        if pages is None and self.tree is not None and self.pages_available() >= n:
             r = self.tree.evict(n - self.device_kv.num_free)
             self.evicted_pages += r.num_pages
             self._order_backups(r.backups)
@@ -175,10 +203,11 @@ class CacheController:
         return pages
 
     def _alloc_slots(self, n: int) -> list[int] | None:
+        """`n` device state slots, evicting cached states only when that is sure to give enough."""
         if n <= 0:
             return []
         slots = self.device_state.alloc(n)
-        if slots is None and self.tree is not None:
+        if slots is None and self.tree is not None and self.slots_available() >= n:
             r = self.tree.evict_state(n - self.device_state.num_free)
             self.evicted_states += r.num_states
             self._order_backups(r.backups)
@@ -195,9 +224,34 @@ class CacheController:
         if self.storage is not None:
             self.storage.poll()
 
-    def apply(self, op: Any) -> Any:
-        if self.storage is not None:
-            self.storage.poll()
+    def take_prefetch_ready(self) -> list[str]:
+        """Requests told to wait for their prefetch whose wait is over (done, given up, past the
+        deadline): the service tells the scheduler, which retries their admission then."""
+        if not self.awaiting_prefetch:
+            return []
+        storage = self.storage
+        ready = [rid for rid in self.awaiting_prefetch if storage is None or not storage.waits(rid)]
+        self.awaiting_prefetch.difference_update(ready)
+        return ready
+
+    def apply_step(self, ops: list[CacheOp]) -> list[CacheResult]:
+        """One CacheStep: every op in order, one result each. Admits are FCFS: after the first
+        that does not fit (not one still waiting for its prefetch), the rest are not tried."""
+        self.poll_storage()
+        results: list[CacheResult] = []
+        blocked_by = ""
+        for op in ops:
+            if isinstance(op, Admit) and blocked_by:
+                results.append(Admitted(rid=op.rid, ok=False, blocked=True, reason=f"waiting behind {blocked_by}"))
+                continue
+            res = self.apply(op)
+            if isinstance(res, Admitted) and not res.ok and not res.prefetching:
+                blocked_by = op.rid
+            results.append(res)
+        return results
+
+    def apply(self, op: CacheOp) -> CacheResult:
+        """Apply one op; its result is always of type RESULT_OF[type(op)]."""
         match op:
             case Admit():
                 return self.admit(op)
@@ -212,48 +266,101 @@ class CacheController:
             case Release():
                 return self.release(op)
             case Prefetch():
-                if self.storage is not None and op.tokens:
-                    p = self.tree.probe(op.tokens[: len(op.tokens) - 1])  # type: ignore[union-attr]
-                    self.storage.start(op.rid, list(op.tokens), p.cached_len, p.host_len)
-                return None
+                return self.prefetch(op)
             case CancelPrefetch():
                 if self.storage is not None:
                     self.storage.cancel(op.rid)
-                return None
+                self.awaiting_prefetch.discard(op.rid)
+                return PrefetchCancelled(rid=op.rid)
         raise ValueError(f"unknown cache op {type(op).__name__}")
+
+    def prefetch(self, op: Prefetch) -> PrefetchStarted:
+        if self.storage is None or self.tree is None or not op.tokens:
+            return PrefetchStarted(rid=op.rid, started=False)
+        p = self.tree.probe(op.tokens[: len(op.tokens) - 1])
+        self.storage.start(op.rid, list(op.tokens), p.cached_len, p.host_len)
+        return PrefetchStarted(rid=op.rid, started=op.rid in self.storage.prefetches)
+
+    def _plan_admit(self, m: MatchResult, need_pages: int, need_slots: int) -> _AdmitPlan | None:
+        """The deepest hit that fits in what is free or evictable, or None when even a plain
+        prefill does not fit. Decides without evicting or allocating anything."""
+        assert self.tree is not None
+        ps = self.page_size
+        root = self.tree.root
+        # With the hit's device part locked (as the request will hold it), what is left evictable
+        # can all be had.
+        receipt = self.tree.lock(m.node)
+        try:
+            pages, slots = self.pages_available(), self.slots_available()
+        finally:
+            self.tree.unlock(receipt)
+        wants_load = m.state_tier == "host" or m.host_len > 0
+        if wants_load:
+            load_state = 1 if m.state_tier == "host" else 0
+            if pages >= need_pages - m.device_len // ps and slots >= need_slots + load_state:
+                return _AdmitPlan(m.node, m.cached_len, True)
+        if m.device_cached_len > 0 and pages >= need_pages - m.device_cached_len // ps and slots >= need_slots:
+            return _AdmitPlan(m.device_node, m.device_cached_len, False)
+        # Without a hit: the locked path above was counted as unavailable, so count it back in.
+        if self.pages_available() >= need_pages and self.slots_available() >= need_slots:
+            return _AdmitPlan(root, 0, False)
+        return None
 
     def admit(self, op: Admit) -> Admitted:
         if op.rid in self.requests:
             return Admitted(rid=op.rid, ok=False, reason="duplicate rid")
+        if op.num_slots < 1 or len(set(op.reserve)) != len(op.reserve) or op.rid in op.reserve:
+            return Admitted(rid=op.rid, ok=False, reason="bad admission: num_slots < 1 or repeated sample rids")
         from_storage = (0, 0)
         if self.storage is not None and op.use_cache:
             gate = self.storage.admit_gate(op.rid)
             if gate.wait:
+                self.awaiting_prefetch.add(op.rid)
                 return Admitted(rid=op.rid, ok=False, prefetching=True, reason="prefix arriving from storage")
             from_storage = gate.storage_range
+        self.awaiting_prefetch.discard(op.rid)
         tokens = op.tokens
         need_pages = self._pages_for(len(tokens))
+        held = self.reserved.get(op.rid, [])
+        need_slots = max(op.num_slots - len(held), 0) + op.num_slots * len(op.reserve)
+        use_tree = self.tree is not None and op.use_cache
+        m: MatchResult | None = None
+        plan: _AdmitPlan | None = None
+        if use_tree and len(tokens) > 1:
+            assert self.tree is not None
+            # At least one token must be computed to get logits: match all but the last.
+            m = self.tree.match_prefix(tokens[: len(tokens) - 1], touch=False)
+            plan = self._plan_admit(m, need_pages, need_slots)
+            fits = plan is not None
+        else:
+            fits = self.pages_available() >= need_pages and self.slots_available() >= need_slots
+        if not fits:
+            what = "KV pages" if self.pages_available() < need_pages else "state slots"
+            return Admitted(rid=op.rid, ok=False, reason=f"not enough {what}")
+
+        # It fits: from here on nothing fails for want of memory.
         shared: list[int] = []
         cached_len = 0
         state_src: int | None = None
         branch_len = 0
         receipt = None
         cached = CachedTokens()
-        if self.tree is not None and op.use_cache and len(tokens) > 1:
-            # At least one token must be computed to get logits: match all but the last.
-            m = self.tree.match_prefix(tokens[: len(tokens) - 1])
+        if m is not None and plan is not None:
+            assert self.tree is not None
+            m = self.tree.record_hit(m)  # a request's hit is counted once, when it is served
             self._order_backups(m.backups)
-            node, cached_len = m.device_node, m.device_cached_len
+            node, cached_len = plan.node, plan.cached_len
             cached = CachedTokens(device=cached_len)
-            if m.state_tier == "host" or m.host_len > 0:
-                load = self.tree.load_back(m.node)
-                if load is not None:
-                    self._order_load(load)
-                    node, cached_len = m.node, m.cached_len
-                    # Of the tokens loaded from host, those this request's prefetch brought up.
-                    lo, hi = from_storage
-                    st = max(0, min(hi, m.cached_len) - max(lo, m.device_len))
-                    cached = CachedTokens(device=m.device_len, host=m.cached_len - m.device_len - st, storage=st)
+            load = self.tree.load_back(m.node) if plan.load else None
+            if plan.load and load is None:  # not expected: load_back counts as _plan_admit did
+                node, cached_len = m.device_node, m.device_cached_len
+                cached = CachedTokens(device=cached_len)
+            if load is not None:
+                self._order_load(load)
+                # Of the tokens loaded from host, those this request's prefetch brought up.
+                lo, hi = from_storage
+                st = max(0, min(hi, m.cached_len) - max(lo, m.device_len))
+                cached = CachedTokens(device=m.device_len, host=m.cached_len - m.device_len - st, storage=st)
             if cached_len > 0:
                 receipt = self.tree.lock(node)
                 shared = _path_pages(node)
@@ -261,15 +368,13 @@ class CacheController:
             if m.kv_match_len > cached_len:
                 branch_len = m.kv_match_len
         own = self._alloc_pages(need_pages - len(shared))
-        slots = self._alloc_slots(op.num_slots) if own is not None else None
-        if own is None or slots is None:
-            if own:
-                self.device_kv.free(own)
-            if receipt is not None:
-                self.tree.unlock(receipt)  # type: ignore[union-attr]
-            what = "KV pages" if own is None else "state slots"
-            return Admitted(rid=op.rid, ok=False, reason=f"not enough {what}")
-        use_tree = self.tree is not None and op.use_cache
+        fresh = self._alloc_slots(need_slots) if own is not None else None
+        assert own is not None and fresh is not None, "allocation failed after the fit check"
+        self.reserved.pop(op.rid, None)
+        mine = max(op.num_slots - len(held), 0)
+        slots = held + fresh[:mine]
+        for i, sibling in enumerate(op.reserve):
+            self.reserved[sibling] = fresh[mine + i * op.num_slots : mine + (i + 1) * op.num_slots]
         captures = self._plan_captures(len(tokens), cached_len, branch_len) if use_tree else []
         slots = slots + [slot for _, slot in captures]
         self.requests[op.rid] = RequestAlloc(op.rid, shared + own, len(shared), slots, receipt)
@@ -309,7 +414,7 @@ class CacheController:
     def extend(self, op: Extend) -> Extended:
         req = self.requests.get(op.rid)
         if req is None:
-            return Extended(rid=op.rid, ok=False)
+            return Extended(rid=op.rid, ok=False, error=f"unknown request {op.rid}")
         need = self._pages_for(op.total_len) - len(req.pages)
         new = self._alloc_pages(need)
         if new is None:
@@ -319,27 +424,40 @@ class CacheController:
 
     def alloc_slots(self, op: AllocSlots) -> SlotsAllocated:
         req = self.requests.get(op.rid)
-        slots = self._alloc_slots(op.num) if req is not None else None
-        if req is None or slots is None:
+        if req is None:
+            return SlotsAllocated(rid=op.rid, ok=False, error=f"unknown request {op.rid}")
+        slots = self._alloc_slots(op.num)
+        if slots is None:
             return SlotsAllocated(rid=op.rid, ok=False)
         req.slots.extend(slots)
         return SlotsAllocated(rid=op.rid, ok=True, slots=slots)
 
-    def free_slots(self, op: FreeSlots) -> SlotsAllocated:
+    def free_slots(self, op: FreeSlots) -> SlotsFreed:
         req = self.requests.get(op.rid)
-        if req is not None:
-            mine = [s for s in op.slots if s in req.slots]
-            for s in mine:
-                req.slots.remove(s)
-            self.device_state.free(mine)
-        return SlotsAllocated(rid=op.rid, ok=req is not None)
+        if req is None:
+            return SlotsFreed(rid=op.rid, ok=False, error=f"unknown request {op.rid}")
+        foreign = [s for s in op.slots if s not in req.slots]
+        if foreign or len(set(op.slots)) != len(op.slots):
+            return SlotsFreed(rid=op.rid, ok=False, error=f"slots {foreign or op.slots} are not held by {op.rid}")
+        for s in op.slots:
+            req.slots.remove(s)
+        self.device_state.free(op.slots)
+        return SlotsFreed(rid=op.rid, ok=True)
 
-    def _insert(self, req: RequestAlloc, tokens: list[int], slot: int | None) -> Any:
-        """Give whole pages of `tokens` (and `slot`) to the tree; returns the InsertResult."""
+    def _check_donation(self, req: RequestAlloc, tokens: list[int], slot: int | None) -> str:
+        """Why the request cannot give `tokens` (its pages) and `slot` to the tree ("" if it can)."""
+        if slot is not None and slot not in req.slots:
+            return f"slot {slot} is not held by {req.rid}"
+        if len(tokens) // self.page_size > len(req.pages):
+            return f"{len(tokens)} tokens are more than the {len(req.pages)} pages {req.rid} holds"
+        return ""
+
+    def _insert(self, req: RequestAlloc, tokens: list[int], slot: int | None) -> InsertResult:
+        """Give whole pages of `tokens` (and `slot`) to the tree."""
         assert self.tree is not None
         n_pages = len(tokens) // self.page_size
         tokens = tokens[: n_pages * self.page_size]
-        if slot is not None and slot in req.slots:
+        if slot is not None:
             req.slots.remove(slot)
         res = self.tree.insert(tokens, req.pages[:n_pages], slot, locked_prefix_len=req.num_shared * self.page_size)
         self._order_backups(res.backups)
@@ -347,13 +465,19 @@ class CacheController:
 
     def insert(self, op: Insert) -> Inserted:
         req = self.requests.get(op.rid)
-        if req is None or self.tree is None or len(op.tokens) < self.page_size:
+        if req is None:
+            return Inserted(rid=op.rid, ok=False, error=f"unknown request {op.rid}")
+        error = self._check_donation(req, list(op.tokens), op.slot)
+        if error:
+            return Inserted(rid=op.rid, ok=False, error=error)
+        if self.tree is None or len(op.tokens) < self.page_size:
             return Inserted(rid=op.rid)
         res = self._insert(req, list(op.tokens), op.slot)
         n = len(res.pages)
         req.pages[:n] = res.pages
-        # The request now relies on the inserted node: move its lock there.
-        new_receipt = self.tree.lock(res.node)
+        # The request now relies on the inserted node's KV. Its own state is in its working slot, so
+        # the donated state is not locked: it can be evicted like any other cached state.
+        new_receipt = self.tree.lock(res.node, state=False)
         if req.receipt is not None:
             self.tree.unlock(req.receipt)
         req.receipt = new_receipt
@@ -361,20 +485,28 @@ class CacheController:
         return Inserted(rid=op.rid, pages=list(res.pages), slot_used=res.state_used)
 
     def release(self, op: Release) -> Released:
-        req = self.requests.pop(op.rid, None)
+        held = self.reserved.pop(op.rid, None)
+        if held is not None:
+            self.device_state.free(held)  # a sample that will not be admitted
+        req = self.requests.get(op.rid)
         if req is None:
             return Released(rid=op.rid)
+        error = self._check_donation(req, list(op.tokens), op.slot)
+        if error:
+            op = Release(rid=op.rid)  # free everything, insert nothing; say why
+        del self.requests[op.rid]
         inserted_pages = 0
         if self.tree is not None and op.tokens and len(op.tokens) >= self.page_size:
-            res = self._insert(req, op.tokens, op.slot)
+            res = self._insert(req, list(op.tokens), op.slot)
             inserted_pages = len(res.pages)
         # Pages the tree now owns (shared prefix or just inserted) are not ours to free.
         first_own = max(req.num_shared, inserted_pages)
         self.device_kv.free(req.pages[first_own:])
         self.device_state.free(req.slots)
         if req.receipt is not None:
-            self.tree.unlock(req.receipt)  # type: ignore[union-attr]
-        return Released(rid=op.rid)
+            assert self.tree is not None
+            self.tree.unlock(req.receipt)
+        return Released(rid=op.rid, ok=not error, error=error)
 
     # ------------------------------------------------------------ inspection
 
@@ -397,6 +529,7 @@ class CacheController:
         """Every page and slot is free XOR owned by exactly one node or running request."""
         own_pages = [p for r in self.requests.values() for p in r.pages[r.num_shared :]]
         own_slots = [s for r in self.requests.values() for s in r.slots]
+        own_slots += [s for held in self.reserved.values() for s in held]
         if self.tree is not None:
             host_pages, host_slots = self.storage.in_flight_host() if self.storage is not None else ([], [])
             self.tree.check_invariants(

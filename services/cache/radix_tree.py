@@ -171,6 +171,7 @@ class MatchResult(NamedTuple):
     device_node: TreeNode  # deepest node whose KV and state are both on device (usable without a load)
     device_cached_len: int
     backups: list[BackupOp]  # write_through_selective orders triggered by this hit
+    path: tuple[TreeNode, ...] = ()  # root's child .. node (what `record_hit` counts)
 
 
 @dataclass(eq=False, slots=True)
@@ -427,13 +428,14 @@ class RadixTree:
 
     # ------------------------------------------------------------------ match
 
-    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
+    def match_prefix(self, tokens: Sequence[int], *, touch: bool = True) -> MatchResult:
         """Longest cached prefix of `tokens` that ends at a state (whole pages only).
 
         May split a node where the match ends inside it; never frees device memory (a
-        write_through_selective backup may evict host entries to make room). Refreshes KV recency
-        of root..node and the state recency of `node` only, and counts a hit on root..node
-        (write_through_selective may then return backup orders in `backups`).
+        write_through_selective backup may evict host entries to make room). With `touch`, counts
+        the hit as `record_hit` does: refreshes KV recency of root..node and the state recency of
+        `node` only, and counts a hit on root..node (write_through_selective may then return backup
+        orders in `backups`). Without it, nothing but splits changes.
         """
         toks = tokens if type(tokens) is tuple else tuple(tokens)
         ps = self.page_size
@@ -476,38 +478,46 @@ class RadixTree:
 
         device_pages: list[int] = []
         device_len = 0
-        self._tick += 1
-        tick = self._tick
-        dev_leaves = self._dev_leaves
-        for i in range(best_depth):
-            n = path[i]
-            n.hit_count += 1
-            n.warm = True
-            n.last_access = tick
+        hit_path = tuple(path[:best_depth])
+        for n in hit_path:
             dp = n.device_pages
             if dp is not None:
                 device_pages += dp
                 device_len += len(n.key)
+        tier: StateTier = "none" if best is root else ("device" if best.device_state is not None else "host")
+        m = MatchResult(
+            best, best_len, device_pages, device_len, best_len - device_len, tier, pos, dev_best, dev_best_len, [], hit_path
+        )
+        return self.record_hit(m) if touch else m
+
+    def record_hit(self, m: MatchResult) -> MatchResult:
+        """Count a hit on what `match_prefix(..., touch=False)` found: hit counts, recency, and
+        (write_through_selective) backup orders, returned in the result's `backups`. Done once
+        per served request, so a request retried at admission is counted once."""
+        self._tick += 1
+        tick = self._tick
+        dev_leaves = self._dev_leaves
+        for n in m.path:
+            if not n.is_attached:
+                continue  # evicted since the match (the caller held no lock): nothing to count
+            n.hit_count += 1
+            n.warm = True
+            n.last_access = tick
+            if n.device_pages is not None:
                 if n in dev_leaves:
                     dev_leaves.touch(n, tick, True)
                 if n in self._host_mirrors:
                     self._host_mirrors.touch(n, tick, True)
             elif n in self._host_leaves:
                 self._host_leaves.touch(n, tick, True)
-
+        best = m.node
         backups: list[BackupOp] = []
-        if best is root:
-            tier: StateTier = "none"
-        else:
+        if best is not self._root and best.is_attached:
             best.state_hit_count += 1
             best.state_warm = True
             best.state_access = tick
-            if best.device_state is not None:
-                tier = "device"
-                if best in self._dev_states:
-                    self._dev_states.touch(best, tick, True)
-            else:
-                tier = "host"
+            if best.device_state is not None and best in self._dev_states:
+                self._dev_states.touch(best, tick, True)
             if best in self._host_states:
                 self._host_states.touch(best, tick, True)
             if (
@@ -518,9 +528,7 @@ class RadixTree:
                 op = self.backup(best)
                 if op is not None:
                     backups.append(op)
-        return MatchResult(
-            best, best_len, device_pages, device_len, best_len - device_len, tier, pos, dev_best, dev_best_len, backups
-        )
+        return m._replace(backups=backups)
 
     def probe(self, tokens: Sequence[int]) -> ProbeResult:
         """How much of `tokens` the tree can serve, without touching recency or counts: the deepest
@@ -628,15 +636,16 @@ class RadixTree:
 
     # ------------------------------------------------------------------ locks
 
-    def lock(self, node: TreeNode) -> LockReceipt:
-        """Lock the device KV of node and its on-device ancestors, and node's device state if any."""
+    def lock(self, node: TreeNode, *, state: bool = True) -> LockReceipt:
+        """Lock the device KV of node and its on-device ancestors, and (with `state`) node's device
+        state if any. A request that already has its own copy of the state locks the KV only."""
         self._check_attached(node, "node")
         root = self._root
         d = node
         while d.device_pages is None:
             d = d.parent  # type: ignore[assignment]  # the root has pages, so the walk stops
         state_node = None
-        if node.device_state is not None:
+        if state and node.device_state is not None:
             if node.mamba_lock_ref == 0:
                 self._dev_states_protected += 1
                 self._dev_states.discard(node)

@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
+import msgspec
+
 from himamba.common.config import Config
 from himamba.common.host_pool import HostPools, open_host_pools
 from himamba.common.messages import (
@@ -18,6 +20,7 @@ from himamba.common.messages import (
     CacheStepDone,
     GetCacheStats,
     Hello,
+    PrefetchDone,
     Ready,
     Shutdown,
     ToCache,
@@ -85,6 +88,8 @@ class CacheService(Actor[ToCache]):
         self._host_pools: HostPools | None = None
         self._io: StorageIO | None = None
         self._storage_seen: dict[str, int] = {}
+        self._cache_steps = 0
+        self._storage_work = asyncio.Event()  # set when a step or an ack may have started storage work
 
     async def start(self) -> str:
         # The pools' sizes come from the worker, which knows the model; wait for it.
@@ -209,11 +214,23 @@ class CacheService(Actor[ToCache]):
         self._close_storage(drain=True)
 
     async def _poll_storage(self) -> None:
-        # Storage jobs complete on worker threads; finalise them here, whatever the scheduler does.
+        # Storage jobs complete on worker threads; finalise them here, whatever the scheduler does,
+        # and tell the scheduler when a request it holds back for its prefetch may go. Sleeps on an
+        # event while the storage tier has nothing in flight (an idle server polls nothing).
         while True:
+            ctrl = self.ctrl
+            busy = ctrl is not None and ctrl.storage is not None and ctrl.storage.busy
+            if not busy and not (ctrl is not None and ctrl.awaiting_prefetch):
+                self._storage_work.clear()
+                await self._storage_work.wait()
+                continue
             await asyncio.sleep(0.005)
-            if self.ctrl is not None and self.ctrl.storage is not None and self.ctrl.storage.busy:
-                self.ctrl.poll_storage()
+            if ctrl is None or ctrl is not self.ctrl:
+                continue
+            ctrl.poll_storage()
+            ready = ctrl.take_prefetch_ready()
+            if ready:
+                await self.scheduler.send(PrefetchDone(rids=ready))
 
     def _close_storage(self, drain: bool = False) -> None:
         if self.ctrl is not None and self.ctrl.storage is not None:
@@ -317,17 +334,19 @@ class CacheService(Actor[ToCache]):
             case CacheStep(cache_pid=cache_pid) if cache_pid and cache_pid != os.getpid():
                 self.log.info("ignoring a cache step meant for an earlier cache controller (pid %d)", cache_pid)
             case CacheStep(step_id=step_id, ops=ops):
-                pairs = [(op, self.ctrl.apply(op)) for op in ops]
-                for op, res in pairs:
+                self._cache_steps += 1
+                results = self.ctrl.apply_step(ops)
+                for op, res in zip(ops, results, strict=True):
                     if isinstance(op, Admit) and isinstance(res, Admitted) and res.ok:
                         self._count_admission(op, res)
-                results = [res for _, res in pairs if res is not None]  # prefetch ops answer nothing
                 transfers = self.ctrl.take_transfers()
                 await self.scheduler.send(CacheStepDone(step_id=step_id, results=results, transfers=transfers))
+                self._storage_work.set()
             case TransfersDone(op_ids=op_ids):
                 self.ctrl.transfers_done(op_ids)
+                self._storage_work.set()  # acknowledged host copies start storage backups
             case GetCacheStats(reply_to=reply_to, check_invariants=check):
-                stats = self.ctrl.stats()
+                stats = msgspec.structs.replace(self.ctrl.stats(), cache_steps=self._cache_steps)
                 if check:
                     try:
                         self.ctrl.check_invariants()

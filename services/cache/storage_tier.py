@@ -369,6 +369,13 @@ class StorageTier:
             pf.handle.revoke()
         return AdmitGate(True, (0, 0))
 
+    def waits(self, rid: str) -> bool:
+        """Whether `admit_gate(rid)` would still say wait (read-only: changes nothing)."""
+        pf = self.prefetches.get(rid)
+        if pf is None or pf.phase == "ready" or time.monotonic() >= pf.deadline:
+            return False
+        return not (self.cfg.hicache_storage_prefetch_policy == "best_effort" and pf.phase == "lookup")
+
     def _give_up(self, pf: _Prefetch) -> None:
         """The request goes on without the rest of its prefetch; the job is finalised later."""
         if pf.handle is not None:

@@ -9,13 +9,21 @@ request finishes, with the KV up to that boundary.
   captured during the prefill) are cached; decoded text is not.
 - `extra_buffer`: two track slots per request (ping-pong). A boundary step writes the slot that
   does not hold the newest tracked state, then that slot becomes the newest.
-- `extra_buffer_lazy`: one track slot per request; a boundary step allocates the second slot on
-  demand (the cache controller evicts a state if the pool is empty), and once the copy has
-  landed the older slot goes back to the pool. If no slot can be had, the request is marked
-  not-insert: at finish its KV is released instead of inserted. It carries on regardless.
+- `extra_buffer_lazy`: one track slot per request, holding the newest tracked state; a boundary
+  step gets a second slot on demand (the cache controller evicts a cached state if the pool is
+  empty), writes it, and the older slot goes back to the pool. If no slot can be had, the step
+  tracks nothing: the older tracked state stays valid (it is inserted at the finish) and the next
+  boundary tries again.
+- `single_buffer`: one track slot, overwritten in place at each boundary.
 
-Resident track memory: extra_buffer holds 3 slots per running request (working + 2), lazy
-holds 2 (+1 for the duration of a boundary step).
+Why `single_buffer` is safe here: the scheduler never launches step N+1 before step N's results
+are in (sglang's overlap scheduler does, and needs the ping-pong so that a tracked state is not
+overwritten while the tree may still take it). A tracked state goes to the tree only at the
+release, when the request is in no batch, so a second track slot protects nothing in himamba.
+
+State slots a running request holds at steady decode (working + track): no_buffer 1,
+extra_buffer 3, extra_buffer_lazy 2 (3 during a boundary step), single_buffer 2. States the
+request donated to the tree (prompt checkpoints) are not locked by it: the tree may evict them.
 """
 
 from __future__ import annotations
@@ -24,32 +32,39 @@ from typing import Literal
 
 from himamba.services.scheduler.request import Req
 
-Strategy = Literal["no_buffer", "extra_buffer", "extra_buffer_lazy"]
+Strategy = Literal["no_buffer", "extra_buffer", "extra_buffer_lazy", "single_buffer"]
 
 
 def track_slots_at_admission(strategy: Strategy) -> int:
     """Track slots a request holds from admission on (besides its working slot)."""
-    return {"no_buffer": 0, "extra_buffer": 2, "extra_buffer_lazy": 1}[strategy]
+    return {"no_buffer": 0, "extra_buffer": 2, "extra_buffer_lazy": 1, "single_buffer": 1}[strategy]
 
 
 def is_boundary(context_len_after: int, interval: int) -> bool:
     return context_len_after > 0 and context_len_after % interval == 0
 
 
-def decode_capture_slot(req: Req, strategy: Strategy) -> int | None:
-    """The slot a boundary decode step writes its state into, or None (no tracking now).
+def _spare(req: Req) -> list[int]:
+    """Track slots not holding the newest tracked state."""
+    return [s for s in req.track_slots if s != req.newest_track_slot]
 
-    For the lazy strategy the second slot must already be in `req.track_slots` (allocated by
-    the scheduler before the step); if it could not be had, the step tracks nothing.
-    """
+
+def needs_boundary_slot(req: Req, strategy: Strategy) -> bool:
+    """Lazy only: the boundary step needs a slot to write into that does not hold the newest
+    tracked state, and the request has none."""
+    return strategy == "extra_buffer_lazy" and not _spare(req)
+
+
+def decode_capture_slot(req: Req, strategy: Strategy) -> int | None:
+    """The slot a boundary decode step writes its state into, or None (no tracking now)."""
     if strategy == "no_buffer" or not req.track_slots:
         return None
     if strategy == "extra_buffer":
         return req.track_slots[req.next_track % len(req.track_slots)]
-    # lazy: the newest state (if any) is in track_slots[0]; the fresh slot is the other one
-    if len(req.track_slots) < 2:
-        return None
-    return req.track_slots[1]
+    if strategy == "single_buffer":
+        return req.track_slots[0]
+    spare = _spare(req)  # lazy: the slot allocated for this boundary
+    return spare[0] if spare else None
 
 
 def after_boundary(req: Req, strategy: Strategy, written: int, boundary_len: int) -> list[int]:
@@ -59,7 +74,9 @@ def after_boundary(req: Req, strategy: Strategy, written: int, boundary_len: int
     if strategy == "extra_buffer":
         req.next_track = (req.next_track + 1) % max(len(req.track_slots), 1)
         return []
+    if strategy != "extra_buffer_lazy":
+        return []
     # lazy: keep the slot just written, give back the older one
-    old = req.track_slots[0]
+    old = [s for s in req.track_slots if s != written]
     req.track_slots = [written]
-    return [old]
+    return old

@@ -44,7 +44,16 @@ class Req:
     next_track: int = 0
     newest_track_slot: int | None = None
     last_track_len: int = 0
-    insert_ok: bool = True  # False after a lazy track allocation failed: release, do not insert
+    # The worker's copy of `pages` (worker_batch.py): the next step starts a fresh table
+    # (`table_reset`), or sends pages[min(pages_sent, pages_dirty):].
+    table_reset: bool = True
+    pages_sent: int = 0
+    pages_dirty: int = 1 << 62
+    # n > 1 (samples.py): sample 0 names its siblings, a sibling names sample 0 (`first`).
+    siblings: list[str] = field(default_factory=list)
+    first: str = ""
+    reserved: bool = False  # the controller holds this sibling's slots (reserved by sample 0)
+    prefetching: bool = False  # told to wait for its storage prefetch (until PrefetchDone)
     cached: CachedTokens | None = None
     cached_reported: bool = False
     abort_requested: bool = False
@@ -65,6 +74,16 @@ class Req:
         """Tokens still to compute before the next token can be sampled."""
         return self.context_len - self.computed_len
 
+    def tokens(self, start: int, n: int) -> list[int]:
+        """context[start:start + n] without building the whole context (a decode step's cost must
+        not grow with the context)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p : start - p + n]
+        if start + n <= p:
+            return self.prompt_ids[start : start + n]
+        return self.prompt_ids[start:] + self.output_ids[: start + n - p]
+
     @property
     def working_slot(self) -> int:
         return self.slots[0]
@@ -80,4 +99,6 @@ class Req:
         self.next_track = 0
         self.newest_track_slot = None
         self.last_track_len = 0
-        self.insert_ok = True
+        self.table_reset = True
+        self.pages_sent = 0
+        self.pages_dirty = 1 << 62

@@ -35,11 +35,6 @@ class RequestEntry:
     output: RequestOutput
     clock: RequestClock = field(default_factory=lambda: RequestClock(time.monotonic()))
     index: int = 0
-    # A sibling sample not sent to the scheduler yet: it waits for sample 0's prefill, so that it
-    # finds the prompt in the cache. None once sent (then the scheduler must hear of its end).
-    held: AddRequest | None = None
-    # Sample 0 of an n > 1 request whose siblings are still held.
-    holds_siblings: bool = False
     # Sent to the scheduler, no output yet: sent again if the scheduler restarts meanwhile.
     sent: AddRequest | None = None
 

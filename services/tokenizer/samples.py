@@ -1,9 +1,10 @@
 """n > 1: one client request, n samples of the same prompt.
 
-Each sample is its own scheduler request (rid per sample index, see `requests.py`). Sample 0 is
-sent alone; its siblings are held until its first output arrives. By then its prefill is done and
-the scheduler has handed the prompt's states to the cache before admitting anything else, so the
-siblings find the prompt there and compute only its last tokens instead of all of it n times.
+Each sample is its own scheduler request (rid per sample index, see `requests.py`), and all are
+sent at once. Sample 0 names its siblings; each sibling names sample 0. The scheduler admits
+sample 0 with every sibling's state slots reserved (all or nothing: samples never wait on each
+other for slots) and holds the siblings until sample 0's prefill is done, so they find the prompt
+in the cache and compute only its last tokens instead of all of it n times.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def sample_requests(
             max_tokens=max_tokens,
             eos_token_ids=eos_token_ids,
             arrival_time=arrival_time,
+            siblings=rids[1:] if i == 0 else [],
+            first=rids[0] if i > 0 else "",
         )
         for i, rid in enumerate(rids)
     ]

@@ -3,8 +3,8 @@
 Client side (`cfg.endpoints.zmq_endpoint`): decode `ClientRequest`s, validate and tokenize, send
 `AddRequest` / `AbortRequest` to the scheduler, answer every request with `GenerateChunk`s or an
 `ErrorReply` (bad input never crashes the service and is never dropped silently). A request with
-n > 1 samples is n scheduler requests; the siblings wait for the first one's prefill
-(`samples.py`); an abort or a disconnect ends them all, a failure of one fails the request.
+n > 1 samples is n scheduler requests, sent together; the siblings wait in the scheduler for the
+first one's prefill (`samples.py`); an abort or a disconnect ends them all, a failure of one fails the request.
 Scheduler side (own inbox): `TokenBatch` outputs are detokenized, checked for stop strings and
 streamed back; a completed stop string sends `StopRequest` to the scheduler.
 HTTP side (`cfg.http`, see `http/server.py`): each HTTP request is an in-process client with its
@@ -194,8 +194,7 @@ class TokenizerService(Actor[ToTokenizer]):
                     told.add((entry.identity, entry.client_rid))
                     reply = ErrorReply(message="server shutting down", rid=entry.client_rid, code=503)
                     await self._reply(entry.identity, reply)
-                if entry.held is None:
-                    await self._send_scheduler(AbortRequest(rid=entry.rid))
+                await self._send_scheduler(AbortRequest(rid=entry.rid))
             except Exception:  # shutting down: best effort
                 pass
         if self._http is not None:
@@ -275,8 +274,8 @@ class TokenizerService(Actor[ToTokenizer]):
         exactly and fail with a retryable error."""
         resent = failed = 0
         for entry in list(self.table.entries()):
-            if entry.rid not in self.table or entry.held is not None:
-                continue  # gone with a failed sibling, or still held: sent later
+            if entry.rid not in self.table:
+                continue  # gone with a failed sibling
             if entry.sent is not None:
                 await self._send_scheduler(entry.sent)
                 resent += 1
@@ -308,8 +307,6 @@ class TokenizerService(Actor[ToTokenizer]):
         if out.error:
             await self._fail_request(entry, out.error, abort_failed=False)
             return
-        if entry.holds_siblings:
-            await self._release_siblings(entry)
         self._request_metrics.on_tokens(entry.clock, len(out.token_ids), time.monotonic())
         try:
             step = entry.output.on_token_out(out)
@@ -327,22 +324,13 @@ class TokenizerService(Actor[ToTokenizer]):
         if step.chunk is not None:
             await self._reply(entry.identity, step.chunk)
 
-    async def _release_siblings(self, first: RequestEntry) -> None:
-        """Sample 0 produced its first output (its prefill is done): send the held siblings."""
-        first.holds_siblings = False
-        for sibling in self.table.samples(first.identity, first.client_rid):
-            if sibling.held is not None:
-                add, sibling.held = sibling.held, None
-                sibling.sent = add
-                await self._send_scheduler(add)
-
     async def _fail_request(self, failed: RequestEntry, message: str, *, abort_failed: bool, code: int = 500) -> None:
         """A sample failed: its whole request fails with one ErrorReply, the other samples are
         aborted (and the failed one too when the scheduler still runs it: `abort_failed`)."""
         for entry in self.table.pop_request(failed.identity, failed.client_rid):
             is_failed = entry is failed
             self._record_end(entry, "error" if is_failed else "abort", None)
-            if entry.held is None and (abort_failed or not is_failed):
+            if abort_failed or not is_failed:
                 await self._send_scheduler(AbortRequest(rid=entry.rid))
         await self._reply(failed.identity, ErrorReply(message=message, rid=failed.client_rid, code=code))
 
@@ -373,8 +361,7 @@ class TokenizerService(Actor[ToTokenizer]):
             rid = getattr(msg, "rid", "")
             for entry in self.table.pop_request(identity, rid):
                 self._record_end(entry, "error", None)
-                if entry.held is None:
-                    await self._send_scheduler(AbortRequest(rid=entry.rid))
+                await self._send_scheduler(AbortRequest(rid=entry.rid))
             await self._reply(identity, ErrorReply(message=f"internal error: {e!r}", rid=rid, code=500))
 
     def _auto_rid(self, identity: bytes) -> str:
@@ -427,14 +414,11 @@ class TokenizerService(Actor[ToTokenizer]):
                 output,
                 RequestClock(arrival),
                 index=i,
-                held=add if i > 0 else None,
-                holds_siblings=i == 0 and n > 1,
+                sent=add,
             )
             self.table.add(entry)
-        first = self.table.get(adds[0].rid)
-        assert first is not None
-        first.sent = adds[0]
-        await self._send_scheduler(adds[0])
+        for add in adds:  # siblings wait in the scheduler for sample 0's prefill (samples.py)
+            await self._send_scheduler(add)
 
     async def _on_abort(self, identity: bytes, client_rid: str) -> None:
         entries = self.table.pop_request(identity, client_rid)
@@ -443,8 +427,7 @@ class TokenizerService(Actor[ToTokenizer]):
             await self._reply(identity, error)
             return
         for entry in entries:  # every unfinished sample ends with its own final "abort" chunk
-            if entry.held is None:
-                await self._send_scheduler(AbortRequest(rid=entry.rid))
+            await self._send_scheduler(AbortRequest(rid=entry.rid))
             final = entry.output.finish("abort")
             self._record_end(entry, "abort", final.usage)
             await self._reply(identity, final)
@@ -455,8 +438,7 @@ class TokenizerService(Actor[ToTokenizer]):
             self.log.info("client %s went away: aborting %d request(s)", identity.hex(), len(entries))
         for entry in entries:
             self._record_end(entry, "abort", None)
-            if entry.held is None:
-                await self._send_scheduler(AbortRequest(rid=entry.rid))
+            await self._send_scheduler(AbortRequest(rid=entry.rid))
 
     # ------------------------------------------------------------ sending
 

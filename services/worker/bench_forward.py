@@ -42,6 +42,7 @@ from himamba.services.worker.layers.moe import RoutedExperts
 from himamba.services.worker.loader import load_model
 from himamba.services.worker.models.base import HybridModel
 from himamba.services.worker.pools import KVPool, StatePool
+from himamba.services.worker.page_tables import PageTables
 from himamba.services.worker.runner import build_forward_batch
 from himamba.services.worker.sampler import sample
 
@@ -242,6 +243,7 @@ class _Seq:
     pages: list[int]
     length: int = 0
     last_token: int = 0
+    pages_sent: int = 0  # pages the worker's table has (page-table deltas, as the scheduler sends)
 
 
 class OurEngine:
@@ -262,6 +264,7 @@ class OurEngine:
         self._free_slots: list[int] = torch.randperm(max_seqs, generator=gen).tolist()
         self._batch_id = 0
         self._seqs = 0
+        self.tables = PageTables(page_size, num_pages, model.vocab_size, self.device)
 
     def new_seq(self) -> _Seq:
         self._seqs += 1
@@ -272,6 +275,7 @@ class OurEngine:
             self._free_pages += s.pages
             self._free_slots.append(s.state_slot)
             s.pages = []
+        self.tables.drop([s.rid for s in seqs])
 
     def _grow(self, seq: _Seq, length: int) -> None:
         while len(seq.pages) * self.page_size < length:
@@ -282,19 +286,24 @@ class OurEngine:
         plans, ids, pages = [], [], []
         for s, toks in zip(seqs, new_tokens, strict=True):
             self._grow(s, s.length + len(toks))
+            reset = s.length == 0
+            start = 0 if reset else s.pages_sent
             plans.append(
                 SeqPlan(
                     rid=s.rid,
                     prefix_len=s.length,
                     new_len=len(toks),
-                    num_pages=len(s.pages),
                     state_slot=s.state_slot,
-                    state_init="zero" if s.length == 0 else "keep",
-                    sampling=_GREEDY,
+                    state_init="zero" if reset else "keep",
+                    reset=reset,
+                    page_start=start,
+                    num_new_pages=len(s.pages) - start,
+                    sampling=_GREEDY if reset else None,
                 )
             )
             ids += toks
-            pages += s.pages
+            pages += s.pages[start:]
+            s.pages_sent = len(s.pages)
         ids_t = torch.tensor(ids, dtype=torch.int64)
         pages_t = torch.tensor(pages, dtype=torch.int64)
         self._batch_id += 1
@@ -309,16 +318,14 @@ class OurEngine:
 
         t0 = time.perf_counter()
         with torch.inference_mode():
-            batch = build_forward_batch(
-                msg, frames, self.page_size, self.kv.num_pages, self.state.num_slots, self.device
-            )
+            batch, states = build_forward_batch(msg, frames, self.tables, self.state.num_slots, self.device)
             zero = [p.state_slot for p in plans if p.state_init == "zero"]
             if zero:
                 self.state.zero(torch.tensor(zero, dtype=torch.int64))
         t1 = time.perf_counter()
         logits = self.model.forward(batch, self.kv, self.state)
         t2 = time.perf_counter()
-        tokens = sample(logits, [p.sampling for p in plans], [0] * len(plans)).tokens
+        tokens = sample(logits, [q.sampling for q in states], [0] * len(plans)).tokens
         t3 = time.perf_counter()
         times.build.append(t1 - t0)
         times.model.append(t2 - t1)

@@ -13,18 +13,14 @@ import torch
 from himamba.common.messages import RunBatch
 from himamba.common.wire import WireError, get_tensor
 from himamba.services.worker.forward_batch import Capture, ForwardBatch
-
-
-def _token_slots(pages: torch.Tensor, page_size: int, length: int) -> torch.Tensor:
-    """Token slots of the first `length` tokens of a sequence laid out on `pages`."""
-    offsets = torch.arange(page_size, dtype=torch.int64, device=pages.device)
-    return (pages.view(-1, 1) * page_size + offsets).view(-1)[:length]
+from himamba.services.worker.page_tables import PageTables, SeqState
 
 
 def build_forward_batch(
-    plan: RunBatch, frames: list[Any], page_size: int, num_pages: int, num_slots: int, device: torch.device
-) -> ForwardBatch:
-    """Validate the plan against the pools and build the model's batch tensors."""
+    plan: RunBatch, frames: list[Any], tables: PageTables, num_slots: int, device: torch.device
+) -> tuple[ForwardBatch, list[SeqState]]:
+    """Validate the plan, apply its page-table deltas to `tables`, and build the model's batch
+    tensors. Returns the batch and each sequence's state (its sampling parameters, penalties)."""
     if plan.input_ids is None or plan.pages is None:
         raise WireError("RunBatch without input_ids/pages tensors")
     input_ids = get_tensor(frames, plan.input_ids).to(device=device, dtype=torch.int64)
@@ -32,28 +28,32 @@ def build_forward_batch(
     seqs = plan.seqs
     if input_ids.numel() != sum(s.new_len for s in seqs):
         raise WireError(f"input_ids has {input_ids.numel()} tokens, plan says {sum(s.new_len for s in seqs)}")
-    if pages.numel() != sum(s.num_pages for s in seqs):
+    if pages.numel() != sum(s.num_new_pages for s in seqs):
         raise WireError("pages tensor does not match the plan")
-    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
-        raise WireError("page index out of range")
     for s in seqs:
         if not (0 <= s.state_slot < num_slots):
             raise WireError(f"state slot {s.state_slot} out of range")
-        if s.num_pages * page_size < s.prefix_len + s.new_len:
-            raise WireError(f"{s.rid}: {s.num_pages} pages cannot hold {s.prefix_len + s.new_len} tokens")
         if plan.mode == "decode" and s.new_len != 1:
             raise WireError("decode sequences take exactly one token")
+        for off, slot in s.captures:
+            if not (1 <= off <= s.new_len) or not (0 <= slot < num_slots):
+                raise WireError(f"{s.rid}: capture ({off}, {slot}) out of range")
 
+    states: list[SeqState] = []
     positions, write_slots, seq_slots = [], [], []
-    start = 0
+    start = tok = 0
     for s in seqs:
-        seq_pages = pages[start : start + s.num_pages]
-        start += s.num_pages
+        state = tables.update(s, pages[start : start + s.num_new_pages])
+        start += s.num_new_pages
+        states.append(state)
         total = s.prefix_len + s.new_len
-        slots = _token_slots(seq_pages, page_size, total)
+        slots = state.token_slots(total)
         seq_slots.append(slots)
         write_slots.append(slots[s.prefix_len :])
         positions.append(torch.arange(s.prefix_len, total, dtype=torch.int64, device=device))
+        if state.penalties is not None:
+            state.penalties.feed(input_ids[tok : tok + s.new_len])
+        tok += s.new_len
 
     batch = ForwardBatch(
         mode=plan.mode,  # type: ignore[arg-type]
@@ -75,8 +75,4 @@ def build_forward_batch(
             table[i, : slots.numel()] = slots
         batch.slot_table = table
         batch.seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
-    for s in seqs:
-        for off, slot in s.captures:
-            if not (1 <= off <= s.new_len) or not (0 <= slot < num_slots):
-                raise WireError(f"{s.rid}: capture ({off}, {slot}) out of range")
-    return batch
+    return batch, states

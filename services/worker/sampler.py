@@ -12,6 +12,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from himamba.common.types import SamplingParams
+from himamba.services.worker.penalties import PenaltyState
 
 
 class Sampled(NamedTuple):
@@ -43,38 +44,20 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def apply_penalties(row: torch.Tensor, p: SamplingParams, history: Sequence[int], num_prompt: int) -> torch.Tensor:
-    """Repetition penalty (HF: over prompt and output) and frequency/presence penalties
-    (OpenAI: over the output only) on one row of float32 logits."""
-    if not history:
-        return row
-    row = row.clone()
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(history)), dtype=torch.int64, device=row.device)
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    out = history[num_prompt:]
-    if out and (p.frequency_penalty or p.presence_penalty):
-        ids = torch.tensor(out, dtype=torch.int64, device=row.device)
-        counts = torch.zeros_like(row).index_add_(0, ids, torch.ones(len(out), device=row.device))
-        row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
-    return row
-
-
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     steps: Sequence[int],
-    histories: Sequence[Sequence[int]] | None = None,
-    num_prompts: Sequence[int] | None = None,
+    penalties: Sequence[PenaltyState | None] | None = None,
 ) -> Sampled:
-    """logits: [B, V]. Returns one token per row (and its logprob when any row asks)."""
+    """logits: [B, V]. Returns one token per row (and its logprob when any row asks). Rows with a
+    PenaltyState get their repetition/frequency/presence penalties first."""
     logits = logits.float()
-    if histories is not None and any(histories):
+    if penalties is not None and any(x is not None for x in penalties):
         logits = logits.clone()
-        for i, h in enumerate(histories):
-            if h:
-                logits[i] = apply_penalties(logits[i], params[i], h, num_prompts[i] if num_prompts else 0)
+        for i, state in enumerate(penalties):
+            if state is not None:
+                logits[i] = state.apply(logits[i], params[i])
     greedy = [p.temperature == 0.0 for p in params]
     out = torch.argmax(logits, dim=-1)
     if not all(greedy):

@@ -35,6 +35,7 @@ from himamba.services.actor import Actor
 from himamba.services.worker.host_transfer import HostTransfer, host_layout
 from himamba.services.worker.loader import load_model
 from himamba.services.worker.memory import plan_pools
+from himamba.services.worker.page_tables import PageTables
 from himamba.services.worker.pools import KVPool, StatePool
 from himamba.services.worker.runner import build_forward_batch
 from himamba.services.worker.sampler import sample
@@ -85,6 +86,7 @@ class WorkerService(Actor[ToWorker]):
         self.state = StatePool(state_spec, plan.num_state_slots, self.device)
         layout = host_layout(self.kv, self.state, plan.num_host_pages, plan.num_host_state_slots)
         self.host = HostTransfer(self.kv, self.state, layout, self.device)
+        self.tables = PageTables(self.page_size, plan.num_pages, self.model.vocab_size, self.device)
         self.info = WorkerInfo(
             vocab_size=self.model.vocab_size,
             eos_token_ids=read_eos_token_ids(model_dir),
@@ -130,12 +132,15 @@ class WorkerService(Actor[ToWorker]):
                 if peer is None:
                     self.log.warning("hello from unknown service %r", service)
                 else:
+                    if service == "scheduler":
+                        self.tables.clear()  # a new scheduler: its sequences start with fresh tables
                     await peer.send(self.info)
             case Shutdown():
                 pass
 
     async def on_run_batch(self, msg: RunBatch, frames: list[Any]) -> None:
         t0 = time.perf_counter()
+        self.tables.drop(msg.dropped)
         try:
             done_ops = self.run_transfers(msg)
             if msg.mode == "none" or not msg.seqs:
@@ -172,9 +177,7 @@ class WorkerService(Actor[ToWorker]):
 
     @torch.inference_mode()
     def forward(self, msg: RunBatch, frames: list[Any]) -> tuple[BatchDone, list[torch.Tensor]]:
-        batch = build_forward_batch(
-            msg, frames, self.page_size, self.kv.num_pages, self.state.num_slots, self.device
-        )
+        batch, states = build_forward_batch(msg, frames, self.tables, self.state.num_slots, self.device)
         zero = [s.state_slot for s in msg.seqs if s.state_init == "zero"]
         if zero:
             self.state.zero(torch.tensor(zero, dtype=torch.int64, device=self.device))
@@ -189,13 +192,7 @@ class WorkerService(Actor[ToWorker]):
             src = torch.tensor([f[0] for f in final], dtype=torch.int64, device=self.device)
             dst = torch.tensor([f[1] for f in final], dtype=torch.int64, device=self.device)
             self.state.copy(src, dst)
-        sampled = sample(
-            logits,
-            [s.sampling for s in msg.seqs],
-            [s.step for s in msg.seqs],
-            [s.history for s in msg.seqs],
-            [s.num_prompt for s in msg.seqs],
-        )
+        sampled = sample(logits, [q.sampling for q in states], [s.step for s in msg.seqs], [q.penalties for q in states])
         tensors: list[torch.Tensor] = []
         ref = None
         if msg.return_logits:

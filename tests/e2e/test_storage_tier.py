@@ -116,3 +116,29 @@ def test_flaky_slow_corrupt_read_only_storage_keeps_serving(server_factory, mode
     assert s.proc.poll() is None, "the server died"
     if os.geteuid() != 0:
         assert _files(copy) <= _files(store)  # a read-only store gained nothing
+
+
+def test_a_request_waiting_for_its_prefetch_makes_no_cache_round_trips(
+    server_factory, model_dir, ref, stored_conversation, tmp_path
+):
+    # Every storage operation takes 0.4 s, so the prefetch (lookup, then fetch) keeps the request
+    # waiting for most of a second. The scheduler is woken when it completes; before the fix it
+    # retried the admission in a loop (thousands of CacheSteps a second).
+    store, history = stored_conversation
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+    s = server_factory(
+        model_dir, *STORAGE_FLAGS, "--hicache-storage-dir", str(copy), "--debug-storage-slow-s", "0.4"
+    )
+    idle_before = s.cache_stats().cache_steps
+    time.sleep(1.0)  # an idle server: no round trips at all
+    before = s.cache_stats().cache_steps
+    assert before == idle_before
+    nxt = history + random_tokens(20, 11)
+    with Client(s.endpoint) as c:
+        out = c.generate(input_ids=nxt, max_tokens=GEN, ignore_eos=True)
+    assert out.usage is not None and out.usage.cached_tokens.storage >= 96
+    assert out.token_ids == greedy(ref, nxt, GEN)
+    # Prefetch + admission attempt, the admission after PrefetchDone, pages for at most GEN decode
+    # steps, the release: a handful, however long the prefetch took.
+    assert s.cache_stats().cache_steps - before <= GEN + 4

@@ -1,5 +1,6 @@
-"""n > 1 in the front door: one scheduler request per sample, siblings held until sample 0's first
-output, seeds per sample, and aborts, disconnects and errors that end every sample."""
+"""n > 1 in the front door: one scheduler request per sample, all sent together naming each other
+(the scheduler holds the siblings for sample 0's prefill), seeds per sample, and aborts,
+disconnects and errors that end every sample."""
 
 from __future__ import annotations
 
@@ -56,22 +57,27 @@ def test_n_samples_are_n_scheduler_requests_with_their_own_seeds(server: Any, cl
     adds = _of(server.scheduler, AddRequest, "n3")
     assert [_sample_index(a.rid) for a in adds] == [0, 1, 2]  # sample 0 went first
     assert len({a.rid for a in adds}) == 3
+    assert adds[0].siblings == [adds[1].rid, adds[2].rid] and adds[0].first == ""
+    assert [a.first for a in adds[1:]] == [adds[0].rid] * 2 and not adds[1].siblings
     assert [(a.sampling.seed, a.sampling.n) for a in adds] == [(7, 1), (8, 1), (9, 1)]
     assert all(a.input_ids == prompt_ids and a.max_tokens == 30 for a in adds)
 
 
-def test_siblings_wait_for_the_first_samples_output(server: Any, client: Client) -> None:
-    # The fake scheduler never answers "silent" prompts: sample 0's prefill never ends.
+def test_all_samples_reach_the_scheduler_at_once_and_an_abort_ends_each(server: Any, client: Client) -> None:
+    # The fake scheduler never answers "silent" prompts: sample 0's prefill never ends. The
+    # siblings are at the scheduler anyway (it holds them, with their slots reserved).
     chunks = client.stream("silent prompt", rid="sil", n=3)
-    server.scheduler.wait_rid(AddRequest, "sil")
+    for i in range(3):
+        server.scheduler.wait_for(
+            lambda m, i=i: isinstance(m, AddRequest) and m.rid.endswith(":sil") and _sample_index(m.rid) == i
+        )
     client.abort("sil")
     finals = sorted((c.index, c.finish_reason, c.finished) for c in chunks)
     assert finals == [(0, "abort", True), (1, "abort", True), (2, "abort", True)]
-    # Everything the front door sent before the next request's AddRequest has arrived by then.
-    client.generate("after", rid="sil-after", max_tokens=1)
-    assert [_sample_index(a.rid) for a in _of(server.scheduler, AddRequest, "sil")] == [0]
-    # Only what the scheduler was given is aborted there.
-    assert [_sample_index(a.rid) for a in _of(server.scheduler, AbortRequest, "sil")] == [0]
+    for i in range(3):
+        server.scheduler.wait_for(
+            lambda m, i=i: isinstance(m, AbortRequest) and m.rid.endswith(":sil") and _sample_index(m.rid) == i
+        )
 
 
 def test_abort_ends_every_running_sample(server: Any, client: Client) -> None:
@@ -119,8 +125,9 @@ def test_a_failing_sample_fails_the_request_once(server: Any, client: Client) ->
         client.generate_n("error please", rid="err3", n=3)
     assert info.value.code == 500 and "boom" in info.value.message
     client.generate("after", rid="err3-after", max_tokens=1)
-    # Sample 0 failed on its first output: its siblings were never sent.
-    assert [_sample_index(a.rid) for a in _of(server.scheduler, AddRequest, "err3")] == [0]
+    # Sample 0 failed on its first output: the scheduler is told to end its siblings.
+    aborted = {_sample_index(a.rid) for a in _of(server.scheduler, AbortRequest, "err3")}
+    assert {1, 2} <= aborted
     # The rid is free again.
     assert client.generate("fine now", rid="err3", max_tokens=2).finish_reason == "length"
 

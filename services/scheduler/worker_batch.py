@@ -1,0 +1,79 @@
+"""What the worker gets for one step: a RunBatch whose size is proportional to what changed.
+
+The worker keeps each running request's page table (and its sampling state) from step to step,
+so a decode step sends, per request, one token, its slot and the pages appended or re-pointed
+since its last step, never its whole page table or context. A request's first step after an
+admission sends its whole table once (`reset`), with its sampling parameters; requests that
+finished or were retracted since the last batch are named in `dropped`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from himamba.common.messages import RunBatch, SeqPlan, Transfer
+from himamba.common.wire import tensor_ref
+from himamba.services.scheduler.batching import BatchPlan
+from himamba.services.scheduler.captures import Capture
+from himamba.services.scheduler.request import Req
+
+
+def _penalised(req: Req) -> bool:
+    p = req.sampling
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _seq_plan(req: Req, n: int, caps: list[Capture], pages: list[int]) -> SeqPlan:
+    """One sequence's plan; appends its page-table delta to `pages` and marks it sent."""
+    start = req.computed_len
+    reset = req.table_reset
+    page_start = 0 if reset else min(req.pages_sent, req.pages_dirty)
+    delta = req.pages[page_start:]
+    pages.extend(delta)
+    req.table_reset = False
+    req.pages_sent = len(req.pages)
+    req.pages_dirty = 1 << 62
+    return SeqPlan(
+        rid=req.rid,
+        prefix_len=start,
+        new_len=n,
+        state_slot=req.working_slot,
+        state_init=req.state_init,
+        state_src=req.state_src,
+        captures=[(c.pos - start, c.slot) for c in caps],
+        step=len(req.output_ids),
+        reset=reset,
+        page_start=page_start,
+        num_new_pages=len(delta),
+        sampling=req.sampling if reset else None,
+        history=req.tokens(0, start) if reset and _penalised(req) else [],
+        num_prompt=len(req.prompt_ids) if reset else 0,
+    )
+
+
+def build_run_batch(
+    batch_id: int,
+    plan: BatchPlan,
+    captures: dict[str, list[Capture]],
+    transfers: list[Transfer],
+    dropped: list[str],
+) -> tuple[RunBatch, list[torch.Tensor]]:
+    """The RunBatch of `plan` and its frames (input ids, page-table deltas)."""
+    seqs: list[SeqPlan] = []
+    ids: list[int] = []
+    pages: list[int] = []
+    for req, n in plan.items:
+        ids.extend(req.tokens(req.computed_len, n))
+        seqs.append(_seq_plan(req, n, captures.get(req.rid, []), pages))
+    ids_t = torch.tensor(ids, dtype=torch.int64)
+    pages_t = torch.tensor(pages, dtype=torch.int64)
+    msg = RunBatch(
+        batch_id=batch_id,
+        mode=plan.mode,
+        seqs=seqs,
+        input_ids=tensor_ref(ids_t, 0),
+        pages=tensor_ref(pages_t, 1),
+        transfers=transfers,
+        dropped=dropped,
+    )
+    return msg, [ids_t, pages_t]

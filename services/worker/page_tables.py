@@ -1,0 +1,89 @@
+"""Each running sequence's page table, kept by the worker between steps.
+
+The scheduler sends only what changed (common/messages.py `SeqPlan`): a fresh table at a
+sequence's first step after admission, then the pages appended (decode, Extend) or re-pointed
+(an Insert that found the prefix already cached) since its last step. The token-slot view of a
+table (what attention reads) is kept too and rewritten only from the first changed page, so a
+step costs what changed, not the context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from himamba.common.messages import SeqPlan
+from himamba.common.types import SamplingParams
+from himamba.common.wire import WireError
+from himamba.services.worker.penalties import PenaltyState, penalised
+
+
+@dataclass
+class SeqState:
+    """What the worker remembers of one running sequence."""
+
+    num_pages: int
+    slots: torch.Tensor  # token slots of its pages, [capacity * page_size] (valid: num_pages * page_size)
+    sampling: SamplingParams
+    penalties: PenaltyState | None
+
+    def token_slots(self, length: int) -> torch.Tensor:
+        return self.slots[:length]
+
+
+class PageTables:
+    """Sequences by rid; updated from each RunBatch before its forward."""
+
+    def __init__(self, page_size: int, num_pages: int, vocab_size: int, device: torch.device) -> None:
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.vocab_size = vocab_size
+        self.device = device
+        self.seqs: dict[str, SeqState] = {}
+        self._offsets = torch.arange(page_size, dtype=torch.int64, device=device)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def drop(self, rids: list[str]) -> None:
+        for rid in rids:
+            self.seqs.pop(rid, None)
+
+    def clear(self) -> None:
+        """A new scheduler: nothing it will send refers to an earlier one's sequences."""
+        self.seqs.clear()
+
+    def update(self, plan: SeqPlan, new_pages: torch.Tensor) -> SeqState:
+        """Apply one sequence's delta (`new_pages` is its slice of the batch's pages tensor)."""
+        if new_pages.numel() and (int(new_pages.min()) < 0 or int(new_pages.max()) >= self.num_pages):
+            raise WireError(f"{plan.rid}: page index out of range")
+        if plan.reset:
+            if plan.page_start != 0 or plan.sampling is None:
+                raise WireError(f"{plan.rid}: a fresh page table starts at 0 with its sampling parameters")
+            pen = None
+            if penalised(plan.sampling):
+                pen = PenaltyState(self.vocab_size, plan.num_prompt, self.device)
+                pen.feed(plan.history)
+            state = SeqState(0, torch.empty(0, dtype=torch.int64, device=self.device), plan.sampling, pen)
+            self.seqs[plan.rid] = state
+        else:
+            got = self.seqs.get(plan.rid)
+            if got is None:
+                raise WireError(f"{plan.rid}: no page table (its first step must reset one)")
+            state = got
+            if plan.page_start > state.num_pages:
+                raise WireError(f"{plan.rid}: page delta at {plan.page_start} past its {state.num_pages} pages")
+        k = new_pages.numel()
+        if k:
+            ps = self.page_size
+            end = plan.page_start + k
+            if end * ps > state.slots.numel():
+                grown = torch.empty(max(end, 2 * state.num_pages) * ps, dtype=torch.int64, device=self.device)
+                grown[: state.num_pages * ps] = state.slots[: state.num_pages * ps]
+                state.slots = grown
+            state.slots[plan.page_start * ps : end * ps] = (new_pages.view(-1, 1) * ps + self._offsets).view(-1)
+            state.num_pages = max(state.num_pages, end)
+        if state.num_pages * self.page_size < plan.prefix_len + plan.new_len:
+            raise WireError(f"{plan.rid}: {state.num_pages} pages cannot hold {plan.prefix_len + plan.new_len} tokens")
+        return state
