@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import sys
 import tempfile
 import threading
@@ -30,7 +31,7 @@ from himamba.services.bench.model_info import describe_model
 from himamba.services.bench.scheduler_report import StrategyRow, compare, format_table, plot, summary_line
 from himamba.services.bench.servers import ServerProcess, start_server
 
-STRATEGIES = ("extra_buffer", "extra_buffer_lazy", "no_buffer")
+STRATEGIES = ("extra_buffer", "extra_buffer_lazy", "single_buffer", "no_buffer")
 # Each conversation turn adds this many new tokens and generates this many.
 _TURN_NEW, _TURN_GEN = 48, 24
 # start_server's default, stated on the machine line.
@@ -55,6 +56,14 @@ class _Sampler(threading.Thread):
         self.stop_flag = threading.Event()
         self.peak_running = 0
         self.peak_held_slots = 0
+        self.samples: list[tuple[int, int]] = []  # (running, held slots)
+
+    def steady_slots_per_running(self) -> float:
+        """State slots per running request at steady decode: the median over the samples taken
+        at peak concurrency (a lazy boundary step's extra slot is brief, admission's checkpoint
+        slots are gone once the prefill donated them)."""
+        at_peak = [held / running for running, held in self.samples if running == self.peak_running and running]
+        return round(statistics.median(at_peak), 2) if at_peak else 0.0
 
     def run(self) -> None:
         while not self.stop_flag.is_set():
@@ -65,6 +74,7 @@ class _Sampler(threading.Thread):
             held = s.total_slots - s.free_slots - s.cached_slots  # slots owned by running requests
             self.peak_running = max(self.peak_running, s.running_requests)
             self.peak_held_slots = max(self.peak_held_slots, held)
+            self.samples.append((s.running_requests, held))
             time.sleep(0.02)
 
 
@@ -112,7 +122,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--out", default="himamba-bench-scheduler", help="folder for scheduler.json and scheduler.png")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--scale", action="store_true",
+        help="instead: serial scheduler time per decode step at 32/256 running x 2k/32k context (scheduler_scale.py)",
+    )  # fmt: skip
+    p.add_argument("--forward-ms", type=float, default=5.0, help="--scale: the stand-in worker's time per forward")
+    p.add_argument("--scale-steps", type=int, default=48, help="--scale: decode steps measured per case")
     args = p.parse_args(argv)
+    if args.scale:
+        from himamba.services.bench.scheduler_scale import run_scale
+
+        return run_scale(Path(args.out), args.forward_ms, args.scale_steps)
     strategies = [t.strip() for t in args.strategies.split(",") if t.strip()]
     # The checkpoint it builds and the servers' logs live only as long as the run.
     with tempfile.TemporaryDirectory(prefix="himamba-bench-") as tmp:
@@ -165,7 +185,7 @@ def _run(args: argparse.Namespace, strategies: list[str], work: Path) -> int:
                     strategy=strategy,
                     peak_running=sampler.peak_running,
                     peak_held_slots=sampler.peak_held_slots,
-                    slots_per_running=round(sampler.peak_held_slots / max(sampler.peak_running, 1), 2),
+                    slots_per_running=sampler.steady_slots_per_running(),
                     flood_tokens_per_s=round(args.requests * args.gen / flood_s, 1),
                     cached_ratio=round(cached / prompt, 4),
                     ideal_ratio=round(ideal / prompt, 4),

@@ -20,8 +20,10 @@ class BatchPlan(NamedTuple):
 
 def pick_batch(running: list[Req], chunk_budget: int, last_mode: str | None) -> BatchPlan | None:
     # Decode steps extend an existing context by one token; anything else is a prefill.
-    prefill = [r for r in running if r.remaining > 1 or r.computed_len == 0]
-    decode = [r for r in running if r.remaining == 1 and r.computed_len > 0]
+    prefill: list[Req] = []
+    decode: list[Req] = []
+    for r in running:
+        (decode if r.remaining == 1 and r.computed_len > 0 else prefill).append(r)
     if not prefill and not decode:
         return None
     use_prefill = bool(prefill) and (not decode or last_mode != "prefill")

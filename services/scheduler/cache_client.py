@@ -94,6 +94,9 @@ class CacheClient:
         self.epoch = 0  # bumped by anything that may let a refused admission fit
         self._refused_epoch = -1  # the epoch the last refusal was decided at
         self._reserving: dict[str, list[str]] = {}  # Admit rid -> siblings it reserves for
+        # PrefetchDone can overtake the CacheStepDone that said "prefetching" (the reply is applied
+        # when the awaiting coroutine resumes): remembered here so that wait is not entered.
+        self.prefetch_done: set[str] = set()
         self.counters = {"lazy_alloc_failures": 0, "admission_blocked": 0, "cache_steps": 0}
 
     # ------------------------------------------------------------ ops and the round trip
@@ -157,13 +160,15 @@ class CacheClient:
     def predict_next(self, plan: BatchPlan) -> list[CacheOp]:
         """Pages and lazy track slots the requests of `plan` will need in the step after it."""
         ops: list[CacheOp] = []
+        ps, interval = self.page_size, self.interval
         for req, n in plan.items:
             after = req.computed_len + n
             if after < req.context_len:
                 continue  # still prefilling: pages were allocated at admission
-            if len(req.pages) * self.page_size < after + 1:
+            if len(req.pages) * ps < after + 1:
                 ops.append(Extend(rid=req.rid, total_len=after + 1))
-            ops += self.lazy_slot_ops(req, after + 1)
+            if (after + 1) % interval == 0:
+                ops += self.lazy_slot_ops(req, after + 1)
         return ops
 
     def decode_needs(self, plan: BatchPlan) -> list[CacheOp]:
@@ -171,10 +176,12 @@ class CacheClient:
         ops: list[CacheOp] = []
         if plan.mode != "decode":
             return ops
+        ps, interval = self.page_size, self.interval
         for req, _ in plan.items:
-            if len(req.pages) * self.page_size < req.computed_len + 1:
+            if len(req.pages) * ps < req.computed_len + 1:
                 ops.append(Extend(rid=req.rid, total_len=req.computed_len + 1))
-            ops += self.lazy_slot_ops(req, req.computed_len + 1)
+            if (req.computed_len + 1) % interval == 0:
+                ops += self.lazy_slot_ops(req, req.computed_len + 1)
         return ops
 
     def lazy_slot_ops(self, req: Req, context_after_step: int) -> list[CacheOp]:
@@ -214,7 +221,11 @@ class CacheClient:
                             self.queue(Release(rid=r))
                     continue
                 if res.prefetching:
-                    req.prefetching = True
+                    if res.rid in self.prefetch_done:
+                        self.prefetch_done.discard(res.rid)  # already over: try again next step
+                        self.memory_changed()
+                    else:
+                        req.prefetching = True
                 elif res.ok:
                     for r in reserve:
                         sibling = requests.get(r)

@@ -30,6 +30,8 @@ class Capture(NamedTuple):
 def captures_for(req: Req, mode: str, n: int, strategy: mamba_track.Strategy, interval: int, page_size: int) -> list[Capture]:
     """Every state this step (`n` new tokens of `req`) must capture."""
     start = req.computed_len
+    if mode == "decode" and not req.pending_captures and (start + 1) % interval:
+        return []  # the common decode step: nothing to capture
     caps = [Capture("admit", pos, slot) for pos, slot in req.pending_captures if start < pos <= start + n]
     if mode == "decode":
         if mamba_track.is_boundary(start + 1, interval):

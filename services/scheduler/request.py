@@ -72,7 +72,7 @@ class Req:
     @property
     def remaining(self) -> int:
         """Tokens still to compute before the next token can be sampled."""
-        return self.context_len - self.computed_len
+        return len(self.prompt_ids) + len(self.output_ids) - self.computed_len
 
     def tokens(self, start: int, n: int) -> list[int]:
         """context[start:start + n] without building the whole context (a decode step's cost must

@@ -125,8 +125,12 @@ class SchedulerService(Actor[ToScheduler]):
             case PrefetchDone(rids=rids):
                 for rid in rids:
                     req = self.requests.get(rid)
-                    if req is not None:
+                    if req is None:
+                        continue
+                    if req.prefetching:
                         req.prefetching = False
+                    else:
+                        self.cache.prefetch_done.add(rid)  # its "prefetching" answer is still on the way
                 self.cache.memory_changed()
             case WorkerInfo():
                 self.peers.on_worker_info(msg)
@@ -342,10 +346,11 @@ class SchedulerService(Actor[ToScheduler]):
         await (await self.trips.call(self.worker, msg, batch_id, BatchDone)).wait()
 
     async def _send_batch(self, plan: BatchPlan) -> Reply[BatchDone]:
-        caps = {
-            req.rid: captures.captures_for(req, plan.mode, n, self.strategy, self.interval, self.page_size)
-            for req, n in plan.items
-        }
+        caps: dict[str, list[captures.Capture]] = {}
+        for req, n in plan.items:
+            found = captures.captures_for(req, plan.mode, n, self.strategy, self.interval, self.page_size)
+            if found:
+                caps[req.rid] = found
         batch_id = self.trips.next_id()
         msg, tensors = build_run_batch(batch_id, plan, caps, self.cache.pending_transfers, self._dropped)
         self.cache.pending_transfers, self._dropped = [], []
@@ -367,8 +372,10 @@ class SchedulerService(Actor[ToScheduler]):
                 continue
             req.state_init = "keep"
             req.computed_len += n
-            for op in captures.commit(req, self._in_flight.get(req.rid, []), self.strategy):
-                self.cache.queue(op)
+            done_caps = self._in_flight.get(req.rid)
+            if done_caps:
+                for op in captures.commit(req, done_caps, self.strategy):
+                    self.cache.queue(op)
             if req.abort_requested:
                 self._finish(req, "abort", outs)
                 continue
@@ -438,5 +445,6 @@ class SchedulerService(Actor[ToScheduler]):
                 )
             )
         del self.requests[req.rid]
+        self.cache.prefetch_done.discard(req.rid)
         self.wake.set()
 

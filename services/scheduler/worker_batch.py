@@ -27,12 +27,19 @@ def _seq_plan(req: Req, n: int, caps: list[Capture], pages: list[int]) -> SeqPla
     """One sequence's plan; appends its page-table delta to `pages` and marks it sent."""
     start = req.computed_len
     reset = req.table_reset
+    num_pages = len(req.pages)
     page_start = 0 if reset else min(req.pages_sent, req.pages_dirty)
-    delta = req.pages[page_start:]
-    pages.extend(delta)
+    if page_start < num_pages:
+        pages.extend(req.pages[page_start:])
+        req.pages_sent = num_pages
+        req.pages_dirty = 1 << 62
+    if not reset:  # the common step: positional, nothing but what changed
+        return SeqPlan(
+            req.rid, start, n, req.slots[0], req.state_init, req.state_src,
+            [(c.pos - start, c.slot) for c in caps] if caps else [], len(req.output_ids), False,
+            page_start, num_pages - page_start,
+        )  # fmt: skip
     req.table_reset = False
-    req.pages_sent = len(req.pages)
-    req.pages_dirty = 1 << 62
     return SeqPlan(
         rid=req.rid,
         prefix_len=start,
@@ -42,12 +49,12 @@ def _seq_plan(req: Req, n: int, caps: list[Capture], pages: list[int]) -> SeqPla
         state_src=req.state_src,
         captures=[(c.pos - start, c.slot) for c in caps],
         step=len(req.output_ids),
-        reset=reset,
-        page_start=page_start,
-        num_new_pages=len(delta),
-        sampling=req.sampling if reset else None,
-        history=req.tokens(0, start) if reset and _penalised(req) else [],
-        num_prompt=len(req.prompt_ids) if reset else 0,
+        reset=True,
+        page_start=0,
+        num_new_pages=num_pages,
+        sampling=req.sampling,
+        history=req.tokens(0, start) if _penalised(req) else [],
+        num_prompt=len(req.prompt_ids),
     )
 
 
@@ -62,9 +69,13 @@ def build_run_batch(
     seqs: list[SeqPlan] = []
     ids: list[int] = []
     pages: list[int] = []
+    no_caps: list[Capture] = []
     for req, n in plan.items:
-        ids.extend(req.tokens(req.computed_len, n))
-        seqs.append(_seq_plan(req, n, captures.get(req.rid, []), pages))
+        if n == 1 and req.computed_len >= len(req.prompt_ids):
+            ids.append(req.output_ids[req.computed_len - len(req.prompt_ids)])  # decode: one token
+        else:
+            ids.extend(req.tokens(req.computed_len, n))
+        seqs.append(_seq_plan(req, n, captures.get(req.rid, no_caps), pages))
     ids_t = torch.tensor(ids, dtype=torch.int64)
     pages_t = torch.tensor(pages, dtype=torch.int64)
     msg = RunBatch(

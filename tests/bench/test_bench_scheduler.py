@@ -9,6 +9,7 @@ import json
 import pytest
 
 from himamba.services.bench.scheduler import main
+from himamba.services.bench.scheduler_scale import ScaleCase, run_scale
 from himamba.services.bench.scheduler_report import StrategyRow, compare, format_table, plot, summary_line
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -27,7 +28,7 @@ def test_table_and_summary_compare_lazy_with_extra_buffer():
     assert [line.split()[0] for line in lines[1:4]] == ["extra_buffer", "extra_buffer_lazy", "no_buffer"]
     assert lines[-1].startswith("lazy / extra_buffer peak concurrency: 1.30x")
     summary = summary_line(rows, comparison)
-    assert summary["rows"][2] == rows[2]._asdict() and summary["lazy_vs_extra_concurrency"] == 1.3
+    assert summary["rows"][2] == rows[2]._asdict() and summary["lazy_over_extra"] == 1.3
 
 
 def test_without_both_buffered_strategies_there_is_no_ratio():
@@ -35,7 +36,7 @@ def test_without_both_buffered_strategies_there_is_no_ratio():
     comparison = compare(rows)
     assert comparison.lazy_vs_extra_concurrency is None
     assert len(format_table(rows, comparison)) == 2
-    assert "lazy_vs_extra_concurrency" not in summary_line(rows, comparison)
+    assert "lazy_over_extra" not in summary_line(rows, comparison)
 
 
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="needs matplotlib (the bench extra)")
@@ -65,3 +66,18 @@ def test_a_short_run_writes_the_machine_the_model_and_what_it_printed(capsys, tm
         assert saved["plot"] == "scheduler.png" and (out_dir / "scheduler.png").stat().st_size > 0
     else:
         assert saved["plot"] is None and saved["notes"]
+
+
+@pytest.mark.slow
+def test_the_scale_run_measures_decode_steps_against_the_real_scheduler(capsys, tmp_path):
+    # One small case (the bench's own cases are 32/256 running x 2k/32k): the real scheduler and
+    # cache controller processes, the stand-in worker, numbers and JSON.
+    assert run_scale(tmp_path, forward_ms=2.0, steps=6, cases=(ScaleCase(4, 256), ScaleCase(4, 256, True))) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    saved = json.loads((tmp_path / "scheduler_scale.json").read_text())
+    assert saved["benchmark"] == "scheduler_scale" and saved["machine"]["cores"] >= 1
+    assert set(saved["serial_ms_per_step"]) == {"4x256", "4x256-penalty"}
+    for row in saved["rows"]:
+        assert row["decode_steps"] >= 5 and row["serial_ms_per_step"] > 0 and row["run_batch_bytes_per_step"] > 0
+        assert row["cache_cpu_ms_per_step"] >= 0 and row["scheduler_cpu_ms_per_step"] >= 0
+    assert json.loads(printed[-1]) == {"serial_ms_per_step": saved["serial_ms_per_step"]}

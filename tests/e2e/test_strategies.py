@@ -89,3 +89,28 @@ def test_memory_pressure_completes_every_request_through_retraction(server_facto
     stats = server.cache_stats()
     assert stats.invariants_ok, stats.invariants_error
     assert stats.running_requests == 0
+
+
+def test_n_samples_with_a_state_pool_for_one_requests_samples_complete(server_factory, model_dir, ref):
+    # 4 samples x 2 slots (extra_buffer_lazy: working + track) = 8 state slots: exactly one request's
+    # samples fit at a time. Sample 0's admission reserves its siblings' slots, all or nothing, so
+    # samples of different requests never hold each other's slots.
+    server = server_factory(
+        model_dir, "--mamba-scheduler-strategy", "extra_buffer_lazy", "--mamba-track-interval", str(PAGE),
+        "--max-mamba-cache-size", "8", "--max-total-tokens", "8192",
+    )  # fmt: skip
+    prompts = [random_tokens(40 + 9 * i, seed=900 + i) for i in range(3)]
+    want = [greedy(ref, p, 12) for p in prompts]
+
+    async def run():
+        async with AsyncClient(server.endpoint) as c:
+            return await asyncio.gather(
+                *(c.generate_n(input_ids=p, n=4, max_tokens=12, ignore_eos=True, temperature=0.0) for p in prompts)
+            )
+
+    outs = asyncio.run(run())
+    for samples, expected in zip(outs, want, strict=True):
+        assert [s.token_ids for s in samples] == [expected] * 4
+    stats = server.cache_stats()
+    assert stats.invariants_ok, stats.invariants_error
+    assert stats.running_requests == 0 and stats.free_slots + stats.cached_slots == stats.total_slots
