@@ -120,11 +120,12 @@ class TokenizerService(Actor[ToTokenizer]):
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> str:
-        self._loaded = load_tokenizer(self.cfg.model.model)
+        m = self.cfg.model
+        self._loaded = load_tokenizer(m.model, m.tokenizer or None)
         self._vocab_size = self._loaded.vocab_size
         self._eos_token_ids = list(self._loaded.eos_token_ids)
         try:
-            self.chat_template = load_chat_template(self.cfg.model.model)
+            self.chat_template = load_chat_template(m.tokenizer or m.model, m.chat_template)
         except ValueError as e:  # a broken template costs chat completions, not the server
             self.log.error("%s; /v1/chat/completions will refuse requests", e)
         self._scheduler = Outbox(self.ctx, self.cfg.endpoints.scheduler_ipc)
