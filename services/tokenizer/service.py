@@ -44,6 +44,7 @@ from himamba.common.messages import (
     ToTokenizer,
     WorkerInfo,
 )
+from himamba.common.metrics_exposition import build_info_text, merge_expositions
 from himamba.common.metrics_report import MetricsReporter, ServiceMetrics
 from himamba.common.transport import Outbox
 from himamba.common.types import FinishReason, Usage
@@ -222,9 +223,10 @@ class TokenizerService(Actor[ToTokenizer]):
         return self.peers.readiness(time.monotonic())
 
     def metrics_text(self) -> str:
-        """The whole server's metrics: the front door's own, then each peer's latest report."""
-        parts = [self._reporter.render(), *self.peers.reports(time.monotonic())]
-        return "".join(p if p.endswith("\n") else p + "\n" for p in parts)
+        """The whole server's metrics: build info, the front door's own, each peer's latest report
+        (merged by family, every series labelled with the model name)."""
+        parts = [build_info_text(self.cfg), self._reporter.render(), *self.peers.reports(time.monotonic())]
+        return merge_expositions(parts, self.model_name)
 
     async def open_stream(self, req: GenerateRequest) -> ReplyStream:
         """Submit `req` as a new in-process client; its replies arrive on the returned stream."""
