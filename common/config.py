@@ -318,13 +318,13 @@ def resolve_dtype(model: ModelConfig, checkpoint_config: dict[str, Any]) -> Reso
         return ResolvedDtype(model.dtype, "as --dtype asks")
     name = checkpoint_config.get("dtype") or checkpoint_config.get("torch_dtype") or "float32"
     if model.device == "cpu":
-        return ResolvedDtype("float32", f"--dtype auto on cpu (the checkpoint's is {name})")
+        return ResolvedDtype("float32", f"--dtype auto on cpu; the checkpoint's is {name}")
     if name not in _SERVED_DTYPES:
         raise ConfigError(
             f"{field_name('model', 'dtype')}: auto found the checkpoint's dtype {name!r}, which himamba does not serve; "
             f"pass one of {', '.join(_SERVED_DTYPES)}"
         )
-    return ResolvedDtype(name, f"--dtype auto: the checkpoint's dtype, on {model.device}")
+    return ResolvedDtype(name, f"--dtype auto: the checkpoint's, on {model.device}")
 
 
 def to_toml_dict(cfg: Config) -> dict[str, Any]:

@@ -68,6 +68,7 @@ from himamba.services.tokenizer.prepare import RequestLimits, prepare_request
 from himamba.services.tokenizer.request_metrics import RequestClock, RequestMetrics
 from himamba.services.tokenizer.requests import RequestEntry, RequestTable, internal_rid
 from himamba.services.tokenizer.samples import sample_requests
+from himamba.services.tokenizer.stats_log import StatsLine, parse_samples
 
 # A peer whose metrics reports stop for this many report intervals counts as gone.
 _STALE_REPORTS = 5
@@ -144,6 +145,8 @@ class TokenizerService(Actor[ToTokenizer]):
         """The client loop (the inbox loop of the base class serves the scheduler side)."""
         assert self._clients is not None
         self.spawn(self._watch_peers(), "peers")
+        if self.cfg.log.stats_interval_s:
+            self.spawn(self._log_stats(self.cfg.log.stats_interval_s), "stats")
         while True:
             event = await self._clients.recv()
             if isinstance(event, ClientGone):
@@ -172,6 +175,15 @@ class TokenizerService(Actor[ToTokenizer]):
                 repeat_s = min(2 * repeat_s, _WAITING_LOG_MAX_S)
                 next_log = now + repeat_s
             await asyncio.sleep(0.1)
+
+    async def _log_stats(self, interval_s: float) -> None:
+        """The periodic stats line (stats_log.py), from this server's own /metrics page."""
+        line = StatsLine()
+        while True:
+            text = line.update(parse_samples(self.metrics_text()), time.monotonic())
+            if text is not None:
+                self.log.info("%s", text)
+            await asyncio.sleep(interval_s)
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests (503) and give the running ones up to `timeout_s` to finish.
