@@ -48,19 +48,23 @@ class ModelConfig(_Section):
         str,
         doc(
             "The model to serve: a Hugging Face checkpoint directory (config.json, safetensors, "
-            "tokenizer.json), or \"demo\" (a tiny random-weight NemotronH, built once).",
+            'tokenizer.json), or "demo" (a tiny random-weight NemotronH, built once).',
             "--model-path",
         ),
     ] = "demo"
     tokenizer: Annotated[
         str,
-        doc("A directory whose tokenizer.json (and tokenizer_config.json) to use instead of the model's; \"\": the model's.", "--tokenizer-path"),
+        doc(
+            "A directory whose tokenizer.json (and tokenizer_config.json) to use instead of the model's; "
+            '"": the model\'s.',
+            "--tokenizer-path",
+        ),
     ] = ""
     chat_template: Annotated[
         str,
         doc(
             "The chat template for /v1/chat/completions: a Jinja file, or the template itself; "
-            "\"\": the checkpoint's (tokenizer_config.json or chat_template.jinja)."
+            '"": the checkpoint\'s (tokenizer_config.json or chat_template.jinja).'
         ),
     ] = ""
     dtype: Annotated[
@@ -72,10 +76,19 @@ class ModelConfig(_Section):
     ] = "auto"
     device: Annotated[Literal["cpu", "cuda"], doc("Where the model runs.")] = "cpu"
     max_context_len: Annotated[
-        PositiveInt, doc("The longest sequence (prompt plus generated tokens) a request may reach.", "--max-model-len", "--context-length")
+        PositiveInt,
+        doc(
+            "The longest sequence (prompt plus generated tokens) a request may reach.",
+            "--max-model-len",
+            "--context-length",
+        ),
     ] = 4096
     served_model_name: Annotated[
-        str, doc("The model name the API reports and accepts (and the metrics' model_name label); \"\": the checkpoint directory's name.")
+        str,
+        doc(
+            "The model name the API reports and accepts (and the metrics' model_name label); "
+            '"": the checkpoint directory\'s name.'
+        ),
     ] = ""
     torch_threads: Annotated[NonNegInt, doc("Threads torch uses on CPU; 0: torch's default (all cores).")] = 0
 
@@ -83,9 +96,9 @@ class ModelConfig(_Section):
 class EndpointsConfig(_Section):
     """ZeroMQ endpoints. Each service binds its own inbox; peers connect to it."""
 
-    zmq_endpoint: Annotated[str, doc("The public endpoint ZeroMQ clients (himamba generate, the bench) connect to.")] = (
-        "ipc://@himamba-client"
-    )
+    zmq_endpoint: Annotated[
+        str, doc("The public endpoint ZeroMQ clients (himamba generate, the bench) connect to.")
+    ] = "ipc://@himamba-client"
     tokenizer_ipc: Annotated[str, doc("The tokenizer service's inbox.")] = "ipc://@himamba-tokenizer"
     scheduler_ipc: Annotated[str, doc("The scheduler service's inbox.")] = "ipc://@himamba-scheduler"
     worker_ipc: Annotated[str, doc("The worker service's inbox.")] = "ipc://@himamba-worker"
@@ -98,9 +111,13 @@ class EndpointsConfig(_Section):
 class SchedulerConfig(_Section):
     """Batching and request lifecycle policy."""
 
-    max_running_requests: Annotated[PositiveInt, doc("The most requests running (admitted) at once.", "--max-num-seqs")] = 64
+    max_running_requests: Annotated[
+        PositiveInt, doc("The most requests running (admitted) at once.", "--max-num-seqs")
+    ] = 64
     chunked_prefill_size: Annotated[PositiveInt, doc("The most new prompt tokens one prefill forward runs.")] = 512
-    default_max_tokens: Annotated[PositiveInt, doc("Tokens generated for a request that does not say max_tokens.")] = 128
+    default_max_tokens: Annotated[PositiveInt, doc("Tokens generated for a request that does not say max_tokens.")] = (
+        128
+    )
     mamba_scheduler_strategy: Annotated[
         Literal["no_buffer", "extra_buffer", "extra_buffer_lazy", "single_buffer"],
         doc(
@@ -113,9 +130,12 @@ class SchedulerConfig(_Section):
         PositiveInt, doc("Tokens between recurrent states cached while decoding (a multiple of the page size).")
     ] = 64
     disable_overlap: Annotated[
-        bool, doc("Run scheduling and the forward one after the other instead of overlapped.", "--disable-overlap-schedule")
+        bool,
+        doc("Run scheduling and the forward one after the other instead of overlapped.", "--disable-overlap-schedule"),
     ] = False
-    debug_fail_lazy_alloc: Annotated[bool, doc("Test hook: every lazy track-slot allocation fails.", hidden=True)] = False
+    debug_fail_lazy_alloc: Annotated[bool, doc("Test hook: every lazy track-slot allocation fails.", hidden=True)] = (
+        False
+    )
 
 
 class CacheConfig(_Section):
@@ -123,14 +143,19 @@ class CacheConfig(_Section):
 
     page_size: Annotated[PositiveInt, doc("Tokens per KV page: the granularity of prefix-cache hits.")] = 16
     max_total_tokens: Annotated[NonNegInt, doc("Device KV capacity in tokens; 0: derived from --memory-fraction.")] = 0
-    max_mamba_cache_size: Annotated[NonNegInt, doc("Device recurrent-state slots; 0: derived from --memory-fraction.")] = 0
+    max_mamba_cache_size: Annotated[
+        NonNegInt, doc("Device recurrent-state slots; 0: derived from --memory-fraction.")
+    ] = 0
     disable_radix_cache: Annotated[bool, doc("Turn the prefix cache off (every prompt is computed in full).")] = False
-    enable_hierarchical_cache: Annotated[bool, doc("Back the device pools with host (RAM) pools and the storage tier.")] = True
+    enable_hierarchical_cache: Annotated[
+        bool, doc("Back the device pools with host (RAM) pools and the storage tier.")
+    ] = True
     hicache_ratio: Annotated[
         float, msgspec.Meta(gt=0), doc("Each host pool's size as a multiple of its device pool.")
     ] = 2.0
     hicache_size_gb: Annotated[
-        NonNegFloat, doc("Host pools in GB (1e9 bytes), split like the device pools; overrides --hicache-ratio; 0: unused.")
+        NonNegFloat,
+        doc("Host pools in GB (1e9 bytes), split like the device pools; overrides --hicache-ratio; 0: unused."),
     ] = 0.0
     hicache_tokens: Annotated[
         NonNegInt, doc("Host KV capacity in tokens; overrides the size and ratio for the KV pool; 0: unused.")
@@ -140,21 +165,31 @@ class CacheConfig(_Section):
     ] = 0
     hicache_write_policy: Annotated[
         Literal["write_back", "write_through", "write_through_selective"],
-        doc("When device pages are copied to host: on eviction (write_back), at once (write_through), or once reused (write_through_selective)."),
+        doc(
+            "When device pages are copied to host: on eviction (write_back), at once (write_through), "
+            "or once reused (write_through_selective)."
+        ),
     ] = "write_through"
     eviction_policy: Annotated[
         Literal["lru", "scan_resistant"],
-        doc("Which cached prefixes go first: least recently used, or lru that protects prefixes used more than once from one-off scans."),
+        doc(
+            "Which cached prefixes go first: least recently used, or lru that protects prefixes used more "
+            "than once from one-off scans."
+        ),
     ] = "lru"
     memory_fraction: Annotated[
         float,
         msgspec.Meta(gt=0, le=1),
-        doc("The share of device memory the pools get when their sizes are derived; of free or total memory, see --memory-fraction-of."),
+        doc(
+            "The share of device memory the pools get when their sizes are derived; of free or total memory, "
+            "see --memory-fraction-of."
+        ),
     ] = 0.25
     memory_fraction_of: Annotated[
         Literal["free", "total"],
         doc(
-            "What --memory-fraction is a share of. free: the pools get that share of the memory free once the weights are loaded; total: "
+            "What --memory-fraction is a share of. free: the pools get that share of the memory free once "
+            "the weights are loaded; total: "
             "this server keeps everything under that share of total memory (sglang's --mem-fraction-static, "
             "vLLM's --gpu-memory-utilization) and the pools get what is left under that."
         ),
@@ -163,12 +198,13 @@ class CacheConfig(_Section):
     hicache_storage_backend: Annotated[
         Literal["none", "file", "mooncake", "redis"], doc("The storage tier (L3) behind the host pools.")
     ] = "file"
-    hicache_storage_dir: Annotated[
-        str, doc("The file backend's directory; \"\": $XDG_CACHE_HOME/himamba/storage.")
-    ] = ""
+    hicache_storage_dir: Annotated[str, doc('The file backend\'s directory; "": $XDG_CACHE_HOME/himamba/storage.')] = ""
     hicache_storage_max_bytes: Annotated[NonNegInt, doc("The file backend's size cap in bytes; 0: none.")] = 0
     hicache_storage_url: Annotated[
-        str, doc("The storage server: redis://host:port/db, or the Mooncake master's host:port; \"\": the localhost default.")
+        str,
+        doc(
+            'The storage server: redis://host:port/db, or the Mooncake master\'s host:port; "": the localhost default.'
+        ),
     ] = ""
     mooncake_metadata_server: Annotated[
         str, doc("Mooncake's metadata server; \"\": the master's embedded one, http://<master host>:8080/metadata.")
@@ -178,19 +214,25 @@ class CacheConfig(_Section):
         Literal["best_effort", "wait_complete", "timeout"],
         doc("How long admission waits for a storage prefetch: not at all, until it completes, or up to a timeout."),
     ] = "timeout"
-    prefetch_threshold: Annotated[NonNegInt, doc("Storage hits shorter than this many tokens are not prefetched.")] = 256
+    prefetch_threshold: Annotated[NonNegInt, doc("Storage hits shorter than this many tokens are not prefetched.")] = (
+        256
+    )
     prefetch_timeout_base_s: Annotated[
         NonNegFloat, doc("With the timeout policy: seconds a prefetch may take, plus the per-token part, capped.")
     ] = 2.0
     prefetch_timeout_per_ki_token_s: Annotated[
         NonNegFloat, doc("With the timeout policy: seconds added per 1024 prefetched tokens.")
     ] = 0.1
-    prefetch_timeout_max_s: Annotated[NonNegFloat, doc("With the timeout policy: the cap on a prefetch's timeout, in seconds.")] = 30.0
+    prefetch_timeout_max_s: Annotated[
+        NonNegFloat, doc("With the timeout policy: the cap on a prefetch's timeout, in seconds.")
+    ] = 30.0
     # Test hooks: wrap the storage backend in a FlakyBackend (fault injection).
     debug_storage_fail_rate: Annotated[
         float, msgspec.Meta(ge=0, le=1), doc("Test hook: the share of storage calls that fail.", hidden=True)
     ] = 0.0
-    debug_storage_slow_s: Annotated[NonNegFloat, doc("Test hook: seconds every storage call sleeps.", hidden=True)] = 0.0
+    debug_storage_slow_s: Annotated[NonNegFloat, doc("Test hook: seconds every storage call sleeps.", hidden=True)] = (
+        0.0
+    )
 
 
 class LogConfig(_Section):
@@ -202,21 +244,24 @@ class LogConfig(_Section):
     ] = "info"
     stats_interval_s: Annotated[
         NonNegFloat,
-        doc("Seconds between the stats lines (throughput, requests, cache hits, pool use) logged while serving; 0: none."),
+        doc(
+            "Seconds between the stats lines (throughput, requests, cache hits, pool use) logged while "
+            "serving; 0: none."
+        ),
     ] = 10.0
 
 
 class HttpConfig(_Section):
     """The OpenAI-compatible HTTP front door (served by the tokenizer service) and /metrics."""
 
-    host: Annotated[str, doc("The HTTP address to listen on; loopback by default, as the API has no TLS of its own.")] = (
-        "127.0.0.1"
-    )
+    host: Annotated[
+        str, doc("The HTTP address to listen on; loopback by default, as the API has no TLS of its own.")
+    ] = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535), doc("The HTTP port; 0: no HTTP server.")] = 30000
     api_key: Annotated[
         str,
         doc(
-            "The key clients send as `Authorization: Bearer <key>` on /v1/*; \"\": none. "
+            'The key clients send as `Authorization: Bearer <key>` on /v1/*; "": none. '
             "The HIMAMBA_API_KEY environment variable sets it without showing it in `ps`."
         ),
     ] = ""
@@ -292,11 +337,13 @@ def validate(cfg: Config) -> None:
         )
     if s.chunked_prefill_size < c.page_size:
         raise ConfigError(
-            f"{field_name('scheduler', 'chunked_prefill_size')} = {s.chunked_prefill_size} must be >= {page} = {c.page_size}"
+            f"{field_name('scheduler', 'chunked_prefill_size')} = {s.chunked_prefill_size} "
+            f"must be >= {page} = {c.page_size}"
         )
     if c.max_total_tokens and c.max_total_tokens < c.page_size:
         raise ConfigError(
-            f"{field_name('cache', 'max_total_tokens')} = {c.max_total_tokens} is smaller than one page ({page} = {c.page_size})"
+            f"{field_name('cache', 'max_total_tokens')} = {c.max_total_tokens} "
+            f"is smaller than one page ({page} = {c.page_size})"
         )
 
 
@@ -321,7 +368,8 @@ def resolve_dtype(model: ModelConfig, checkpoint_config: dict[str, Any]) -> Reso
         return ResolvedDtype("float32", f"--dtype auto on cpu; the checkpoint's is {name}")
     if name not in _SERVED_DTYPES:
         raise ConfigError(
-            f"{field_name('model', 'dtype')}: auto found the checkpoint's dtype {name!r}, which himamba does not serve; "
+            f"{field_name('model', 'dtype')}: auto found the checkpoint's dtype {name!r}, "
+            "which himamba does not serve; "
             f"pass one of {', '.join(_SERVED_DTYPES)}"
         )
     return ResolvedDtype(name, f"--dtype auto: the checkpoint's, on {model.device}")

@@ -40,8 +40,14 @@ class CompatFlag(NamedTuple):
 
 COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(("--enable-metrics",), "accepted", "Metrics are always on, at /metrics on the HTTP port."),
-    CompatFlag(("--enable-prefix-caching",), "accepted", "The prefix cache is always on (--disable-radix-cache turns it off)."),
-    CompatFlag(("--trust-remote-code",), "accepted", "Not needed: the architectures are native, no checkpoint code is ever run."),
+    CompatFlag(
+        ("--enable-prefix-caching",), "accepted", "The prefix cache is always on (--disable-radix-cache turns it off)."
+    ),
+    CompatFlag(
+        ("--trust-remote-code",),
+        "accepted",
+        "Not needed: the architectures are native, no checkpoint code is ever run.",
+    ),
     CompatFlag(("--disable-log-requests",), "accepted", "Requests are not logged unless --access-log."),
     CompatFlag(
         ("--enable-auto-tool-choice",),
@@ -77,7 +83,10 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
         allowed="1",
     ),
     CompatFlag(
-        ("--quantization", "-q"), "refused", "Quantized checkpoints (FP8, AWQ, GPTQ...) are not supported yet.", takes_value=True
+        ("--quantization", "-q"),
+        "refused",
+        "Quantized checkpoints (FP8, AWQ, GPTQ...) are not supported yet.",
+        takes_value=True,
     ),
     CompatFlag(
         ("--kv-cache-dtype",),
@@ -89,11 +98,22 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(
         ("--revision", "--download-dir"),
         "refused",
-        "Hub downloads are not supported: download the checkpoint first (`hf download <repo> --local-dir DIR`) and pass DIR.",
+        "Hub downloads are not supported: download the checkpoint first "
+        "(`hf download <repo> --local-dir DIR`) and pass DIR.",
         takes_value=True,
     ),
-    CompatFlag(("--ssl-keyfile", "--ssl-certfile"), "refused", "The API has no TLS of its own: put a TLS proxy in front.", takes_value=True),
-    CompatFlag(("--speculative-config", "--speculative-algorithm"), "refused", "Speculative decoding is not supported.", takes_value=True),
+    CompatFlag(
+        ("--ssl-keyfile", "--ssl-certfile"),
+        "refused",
+        "The API has no TLS of its own: put a TLS proxy in front.",
+        takes_value=True,
+    ),
+    CompatFlag(
+        ("--speculative-config", "--speculative-algorithm"),
+        "refused",
+        "Speculative decoding is not supported.",
+        takes_value=True,
+    ),
     CompatFlag(("--enable-lora",), "refused", "LoRA adapters are not supported."),
     CompatFlag(("--lora-modules",), "refused", "LoRA adapters are not supported.", takes_value=True),
 )
@@ -135,7 +155,9 @@ def add_config_flags(parser: argparse.ArgumentParser, positional_model: bool = F
     for info in fields():
         group = groups.get(info.section)
         if group is None:
-            group = groups[info.section] = parser.add_argument_group(f"{info.section} (config file section [{info.section}])")
+            group = groups[info.section] = parser.add_argument_group(
+                f"{info.section} (config file section [{info.section}])"
+            )
         names = (info.flag, *info.aliases)
         for name in names:
             if name in seen:
@@ -158,7 +180,11 @@ def add_config_flags(parser: argparse.ArgumentParser, positional_model: bool = F
     )
     if positional_model:
         parser.add_argument(
-            _POSITIONAL_MODEL, nargs="?", default=None, metavar="MODEL", help="The model to serve, as --model (vLLM's `vllm serve MODEL`)."
+            _POSITIONAL_MODEL,
+            nargs="?",
+            default=None,
+            metavar="MODEL",
+            help="The model to serve, as --model (vLLM's `vllm serve MODEL`).",
         )
     compat.add_argument(
         "--mem-fraction-static",
@@ -194,7 +220,13 @@ class _CompatAction(argparse.Action):
         self.compat = compat
         super().__init__(option_strings, "compat__" + compat.flags[0].lstrip("-").replace("-", "_"), **kwargs)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         cf = self.compat
         value = values[0] if values else None
         if cf.kind == "refused" or (cf.kind == "refused_unless" and str(value).lower() != cf.allowed):
@@ -207,7 +239,10 @@ def accepted_notes(args: argparse.Namespace) -> list[str]:
     """One line per accepted vLLM/sglang flag the user gave, saying what it means here (for the log)."""
     notes = []
     for cf in COMPAT_FLAGS:
-        if cf.kind != "refused" and getattr(args, "compat__" + cf.flags[0].lstrip("-").replace("-", "_"), None) is not None:
+        if (
+            cf.kind != "refused"
+            and getattr(args, "compat__" + cf.flags[0].lstrip("-").replace("-", "_"), None) is not None
+        ):
             notes.append(f"{cf.flags[0]}: {cf.why}")
     if getattr(args, _MEM_FRACTION_TOTAL, None) is not None:
         notes.append("--mem-fraction-static: a share of total memory, as --memory-fraction-of total")

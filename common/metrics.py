@@ -321,7 +321,9 @@ PROCESS_METRICS: tuple[MetricDef, ...] = (
 # ---------------------------------------------------------------- the server (rendered by the front door)
 # What is running: 1, with the build and the settings an operator compares across a fleet as labels
 # (open values, so not in LABEL_VALUES). Every series of /metrics also carries model_name.
-BUILD_INFO = MetricDef("himamba_build_info", "The server's version and main settings, as labels; always 1.", "gauge", "tokenizer")
+BUILD_INFO = MetricDef(
+    "himamba_build_info", "The server's version and main settings, as labels; always 1.", "gauge", "tokenizer"
+)
 BUILD_INFO_LABELS = (
     "version",
     "torch_version",

@@ -41,7 +41,8 @@ def build_info_text(cfg: Config) -> str:
     }
     assert tuple(values) == BUILD_INFO_LABELS
     labels = ",".join(f'{k}="{_escape(v)}"' for k, v in values.items())
-    return f"# HELP {BUILD_INFO.name} {BUILD_INFO.help}\n# TYPE {BUILD_INFO.name} gauge\n{BUILD_INFO.name}{{{labels}}} 1.0\n"
+    name = BUILD_INFO.name
+    return f"# HELP {name} {BUILD_INFO.help}\n# TYPE {name} gauge\n{name}{{{labels}}} 1.0\n"
 
 
 class _Family(NamedTuple):

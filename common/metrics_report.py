@@ -18,9 +18,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from collections.abc import Callable
-
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import ClassVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -48,7 +47,7 @@ class _ServiceProcessCollector:
     """This process's resident memory, CPU time, fds and start time (prometheus_client's
     process collector), as the `PROCESS_METRICS` families labelled service=<this service>."""
 
-    _WANTED = {d.name.removesuffix("_total"): d for d in PROCESS_METRICS}
+    _WANTED: ClassVar[dict[str, MetricDef]] = {d.name.removesuffix("_total"): d for d in PROCESS_METRICS}
 
     def __init__(self, service: Service):
         self.service = service

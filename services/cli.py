@@ -40,8 +40,14 @@ def resolve_model(cfg: Config) -> Resolved:
     if m.model != "demo":
         path = Path(m.model).expanduser()
         if not (path / "config.json").is_file():
-            hint = " (hub ids are not downloaded: `hf download <repo> --local-dir DIR`, then pass DIR)" if not path.exists() else ""
-            raise ConfigError(f"{field_name('model', 'model')}: {path} is not a checkpoint directory (no config.json){hint}")
+            hint = (
+                " (hub ids are not downloaded: `hf download <repo> --local-dir DIR`, then pass DIR)"
+                if not path.exists()
+                else ""
+            )
+            raise ConfigError(
+                f"{field_name('model', 'model')}: {path} is not a checkpoint directory (no config.json){hint}"
+            )
         path = path.resolve()
     else:
         path = _demo_checkpoint()
@@ -53,7 +59,9 @@ def resolve_model(cfg: Config) -> Resolved:
     if chat_template and "{{" not in chat_template and "{%" not in chat_template:
         template_path = Path(chat_template).expanduser()
         if not template_path.is_file():
-            raise ConfigError(f"{field_name('model', 'chat_template')}: {chat_template} is neither a file nor a Jinja template")
+            raise ConfigError(
+                f"{field_name('model', 'chat_template')}: {chat_template} is neither a file nor a Jinja template"
+            )
         chat_template = str(template_path.resolve())
     try:
         raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
@@ -61,7 +69,11 @@ def resolve_model(cfg: Config) -> Resolved:
         raise ConfigError(f"{field_name('model', 'model')}: cannot read {path / 'config.json'}: {e}") from None
     dtype = resolve_dtype(m, raw if isinstance(raw, dict) else {})
     model = msgspec.structs.replace(
-        m, model=str(path), tokenizer=str(tokenizer) if m.tokenizer else "", chat_template=chat_template, dtype=dtype.dtype
+        m,
+        model=str(path),
+        tokenizer=str(tokenizer) if m.tokenizer else "",
+        chat_template=chat_template,
+        dtype=dtype.dtype,
     )
     return Resolved(msgspec.structs.replace(cfg, model=model), [f"dtype {dtype.dtype} ({dtype.why})"])
 
@@ -100,7 +112,9 @@ def _service(name: str, cfg: Config) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="himamba", description="Serve hybrid Mamba/attention models with a tiered prefix cache.")
+    p = argparse.ArgumentParser(
+        prog="himamba", description="Serve hybrid Mamba/attention models with a tiered prefix cache."
+    )
     sub = p.add_subparsers(dest="command", required=True)
     # No abbreviations: `--tok` must not silently mean one of --tokenizer / --tokenizer-ipc.
     flags = {"formatter_class": formatter_class(), "allow_abbrev": False}

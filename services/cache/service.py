@@ -270,7 +270,8 @@ class CacheService(Actor[ToCache]):
             return
         self.ctrl.attach_storage(self._io, fp)
         # Reopened after every reset of the pools: say so once, not at each reopening.
-        self.log.log(logging.DEBUG if self._storage_announced else logging.INFO, "storage tier on: %s backend", cache.hicache_storage_backend)
+        level = logging.DEBUG if self._storage_announced else logging.INFO
+        self.log.log(level, "storage tier on: %s backend", cache.hicache_storage_backend)
         self._storage_announced = True
 
     def _reset_message(

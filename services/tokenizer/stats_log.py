@@ -96,7 +96,9 @@ class StatsLine:
         ]
         if delta.query:
             by_tier = ", ".join(f"{t} {100 * h / delta.query:.1f}%" for t, h in zip(TIERS, delta.hits, strict=True))
-            parts.append(f"cache hits {100 * sum(delta.hits) / delta.query:.1f}% of {delta.query:.0f} prompt tokens ({by_tier})")
+            parts.append(
+                f"cache hits {100 * sum(delta.hits) / delta.query:.1f}% of {delta.query:.0f} prompt tokens ({by_tier})"
+            )
         else:
             parts.append("cache hits -")
         pools = []

@@ -51,7 +51,9 @@ def test_every_flag_help_is_its_field_documentation_and_debug_hooks_are_hidden()
 
 
 def test_flags_are_generated_from_fields():
-    cfg = _parse(["--page-size", "32", "--disable-radix-cache", "--model", "/x/y", "--hicache-write-policy", "write_back"])
+    cfg = _parse(
+        ["--page-size", "32", "--disable-radix-cache", "--model", "/x/y", "--hicache-write-policy", "write_back"]
+    )
     assert cfg.cache.page_size == 32
     assert cfg.cache.disable_radix_cache is True
     assert cfg.model.model == "/x/y"
@@ -127,7 +129,14 @@ def test_aliases_map_to_the_field_they_name(argv, section, field, value):
 
 
 @pytest.mark.parametrize(
-    "argv", [["--enable-metrics"], ["--enable-prefix-caching"], ["--trust-remote-code"], ["--tp", "1"], ["--kv-cache-dtype", "auto"]]
+    "argv",
+    [
+        ["--enable-metrics"],
+        ["--enable-prefix-caching"],
+        ["--trust-remote-code"],
+        ["--tp", "1"],
+        ["--kv-cache-dtype", "auto"],
+    ],
 )
 def test_flags_that_ask_for_what_we_do_are_accepted(argv):
     assert _parse(argv) == Config()
@@ -159,12 +168,17 @@ def test_every_refused_flag_is_tested_or_shares_a_tested_reason():
     tested = {a[0] for a, _ in REFUSED}
     for cf in COMPAT_FLAGS:
         if cf.kind != "accepted":
-            assert tested & set(cf.flags) or any(why in cf.why for _, why in REFUSED) or cf.flags[0] in (
-                "--pipeline-parallel-size",
-                "--data-parallel-size",
-                "--speculative-config",
-                "--enable-lora",
-                "--lora-modules",
+            assert (
+                tested & set(cf.flags)
+                or any(why in cf.why for _, why in REFUSED)
+                or cf.flags[0]
+                in (
+                    "--pipeline-parallel-size",
+                    "--data-parallel-size",
+                    "--speculative-config",
+                    "--enable-lora",
+                    "--lora-modules",
+                )
             ), cf.flags
 
 

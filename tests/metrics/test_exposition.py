@@ -52,7 +52,7 @@ def test_build_info(page: str):
 
 
 def test_labels_are_added_to_bare_and_labelled_samples():
-    text = "# HELP a_total A.\n# TYPE a_total counter\na_total 1.0\na_total{x=\"}\"} 2.0\nb{} 3\n"
+    text = '# HELP a_total A.\n# TYPE a_total counter\na_total 1.0\na_total{x="}"} 2.0\nb{} 3\n'
     merged = merge_expositions([text], "m")
     assert 'a_total{model_name="m"} 1.0' in merged
     assert 'a_total{model_name="m",x="}"} 2.0' in merged

@@ -8,7 +8,6 @@ import os
 import re
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,7 +27,13 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     os.environ["HIMAMBA_API_KEY"] = KEY  # the launcher reads it; not on the command line
     try:
         server = start_live_server(
-            ckpt, tmp_path_factory.mktemp("logs"), "--served-model-name", "7", "--stats-interval-s", "0.3", "--access-log"
+            ckpt,
+            tmp_path_factory.mktemp("logs"),
+            "--served-model-name",
+            "7",
+            "--stats-interval-s",
+            "0.3",
+            "--access-log",
         )
     finally:
         if old is None:
@@ -64,7 +69,9 @@ def test_stats_line_and_access_log_while_serving(live: Any):
     for i in range(3):
         live.post_json("/v1/completions", {"prompt": f"request {i}: " + "word " * 40, "max_tokens": 8, "model": "7"})
     deadline = time.monotonic() + 10
-    pattern = re.compile(r"stats: \d+ running, \d+ waiting \| prefill ([0-9.]+) tok/s, decode ([0-9.]+) tok/s \| cache hits")
+    pattern = re.compile(
+        r"stats: \d+ running, \d+ waiting \| prefill ([0-9.]+) tok/s, decode ([0-9.]+) tok/s \| cache hits"
+    )
     while not any(float(m.group(1)) > 0 for m in pattern.finditer(live.log())):
         assert time.monotonic() < deadline, live.log()[-3000:]
         time.sleep(0.2)
