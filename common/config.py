@@ -155,7 +155,10 @@ class CacheConfig(_Section):
     ] = 2.0
     hicache_size_gb: Annotated[
         NonNegFloat,
-        doc("Host pools in GB (1e9 bytes), split like the device pools; overrides --hicache-ratio; 0: unused."),
+        doc(
+            "Host pools in GB (1e9 bytes), split like the device pools; overrides --hicache-ratio; 0: unused.",
+            "--hicache-size",
+        ),
     ] = 0.0
     hicache_tokens: Annotated[
         NonNegInt, doc("Host KV capacity in tokens; overrides the size and ratio for the KV pool; 0: unused.")
@@ -174,7 +177,8 @@ class CacheConfig(_Section):
         Literal["lru", "scan_resistant"],
         doc(
             "Which cached prefixes go first: least recently used, or lru that protects prefixes used more "
-            "than once from one-off scans."
+            "than once from one-off scans.",
+            "--radix-eviction-policy",
         ),
     ] = "lru"
     memory_fraction: Annotated[

@@ -112,6 +112,8 @@ ALIASES = [
     (["--max-model-len", "2048"], "model", "max_context_len", 2048),
     (["--context-length", "2048"], "model", "max_context_len", 2048),
     (["--max-num-seqs", "8"], "scheduler", "max_running_requests", 8),
+    (["--hicache-size", "12"], "cache", "hicache_size_gb", 12.0),
+    (["--radix-eviction-policy", "lru"], "cache", "eviction_policy", "lru"),
     (["--disable-overlap-schedule"], "scheduler", "disable_overlap", True),
     (["--log-level", "debug"], "log", "level", "debug"),
     (["--log-level", "WARNING"], "log", "level", "warning"),
