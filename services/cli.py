@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             out = make_checkpoint(args.arch, Path(args.out), preset=args.preset, seed=args.seed)
             print(f"wrote a random-weight {args.arch} ({args.preset}) checkpoint to {out}")
             return 0
-        cfg, notes = resolve_model(config_from_args(args))
+        asked = config_from_args(args)
+        cfg, notes = resolve_model(asked)
     except (ConfigError, ValueError) as e:
         print(f"himamba: {e}", file=sys.stderr)
         return 2
@@ -172,6 +173,13 @@ def main(argv: list[str] | None = None) -> int:
         for note in [*notes, *accepted_notes(args)]:
             log.info("%s", note)
         return serve(cfg)
+    # Under a process manager the worker, which loads the model, says what auto resolved to (under
+    # `himamba serve` the launcher said it, and hands its children a resolved config).
+    worker_notes = [*(notes if asked.model.dtype == "auto" else []), *accepted_notes(args)]
+    if args.name == "worker" and worker_notes:
+        log = setup_logging(args.name, cfg.log.level)
+        for note in worker_notes:
+            log.info("%s", note)
     _service(args.name, cfg)
     return 0
 
