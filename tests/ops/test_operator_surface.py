@@ -15,7 +15,7 @@ import pytest
 from tests.http_request import http_request
 from tests.live_server import start_live_server
 
-KEY = "12345"  # numeric: once parsed as an int and refused
+KEY = "918273645"  # numeric: once parsed as an int and refused
 
 
 @pytest.fixture(scope="module")
