@@ -32,7 +32,7 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "kind": KINDS,
     "op": ("backup", "prefetch", "lookup"),
     "event": ("unreachable", "reconnect", "refused_write", "corrupt"),
-    "strategy": ("no_buffer", "extra_buffer", "extra_buffer_lazy"),
+    "strategy": ("no_buffer", "extra_buffer", "extra_buffer_lazy", "single_buffer"),
     "mode": ("prefill", "decode", "none"),
     "reason": ("stop", "length", "abort", "error"),
     "route": ("completions", "chat_completions", "models", "health", "metrics", "other"),
