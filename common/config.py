@@ -2,23 +2,39 @@
 
 `Config()` is the embedded default (== configs/default.toml, enforced by a test). Files are
 TOML; command-line flags are generated from the fields (`--page-size` sets
-`cache.page_size`), so no flag restates a field. Nothing mutates a Config after load:
+`cache.page_size`, see config_flags.py), so no flag restates a field: each field's `doc(...)` is
+its one documentation, the flag's help text. Nothing mutates a Config after load:
 derived values are functions of it.
 """
 
 from __future__ import annotations
 
-import argparse
+import re
 import tomllib
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+
+
+def doc(description: str, *aliases: str, hidden: bool = False) -> msgspec.Meta:
+    """A field's documentation, its one place: the `--help` text of its flag (and the JSON schema).
+    `aliases` are the vLLM/sglang spellings that mean exactly the same; `hidden` keeps a test
+    hook out of `--help`."""
+    extra: dict[str, Any] = {}
+    if aliases:
+        extra["aliases"] = aliases
+    if hidden:
+        extra["hidden"] = True
+    return msgspec.Meta(description=description, extra=extra or None)
+
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -28,85 +44,240 @@ class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 class ModelConfig(_Section):
     """Which checkpoint to serve and how."""
 
-    model: str = "demo"  # an HF checkpoint dir, or "demo" (a tiny random-weight NemotronH, built once)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: Literal["cpu", "cuda"] = "cpu"
-    max_context_len: PositiveInt = 4096
-    served_model_name: str = ""  # defaults to the checkpoint dir name
-    torch_threads: NonNegInt = 0  # 0: torch's default (all cores)
+    model: Annotated[
+        str,
+        doc(
+            "The model to serve: a Hugging Face checkpoint directory (config.json, safetensors, "
+            'tokenizer.json), or "demo" (a tiny random-weight NemotronH, built once).',
+            "--model-path",
+        ),
+    ] = "demo"
+    tokenizer: Annotated[
+        str,
+        doc(
+            "A directory whose tokenizer.json (and tokenizer_config.json) to use instead of the model's; "
+            '"": the model\'s.',
+            "--tokenizer-path",
+        ),
+    ] = ""
+    chat_template: Annotated[
+        str,
+        doc(
+            "The chat template for /v1/chat/completions: a Jinja file, or the template itself; "
+            '"": the checkpoint\'s (tokenizer_config.json or chat_template.jinja).'
+        ),
+    ] = ""
+    dtype: Annotated[
+        Dtype,
+        doc(
+            "Weights and activations dtype. auto: the checkpoint's dtype (config.json `dtype`, or "
+            "`torch_dtype`) on CUDA; float32 on CPU, where the reference kernels are fastest and exact in it."
+        ),
+    ] = "auto"
+    device: Annotated[Literal["cpu", "cuda"], doc("Where the model runs.")] = "cpu"
+    max_context_len: Annotated[
+        PositiveInt,
+        doc(
+            "The longest sequence (prompt plus generated tokens) a request may reach.",
+            "--max-model-len",
+            "--context-length",
+        ),
+    ] = 4096
+    served_model_name: Annotated[
+        str,
+        doc(
+            "The model name the API reports and accepts (and the metrics' model_name label); "
+            '"": the checkpoint directory\'s name.'
+        ),
+    ] = ""
+    torch_threads: Annotated[NonNegInt, doc("Threads torch uses on CPU; 0: torch's default (all cores).")] = 0
 
 
 class EndpointsConfig(_Section):
     """ZeroMQ endpoints. Each service binds its own inbox; peers connect to it."""
 
-    zmq_endpoint: str = "ipc://@himamba-client"  # the public client endpoint (ROUTER)
-    tokenizer_ipc: str = "ipc://@himamba-tokenizer"
-    scheduler_ipc: str = "ipc://@himamba-scheduler"
-    worker_ipc: str = "ipc://@himamba-worker"
-    cache_ipc: str = "ipc://@himamba-cache"
-    control_ipc: str = "ipc://@himamba-control"  # readiness and fatal reports to the launcher
+    zmq_endpoint: Annotated[
+        str, doc("The public endpoint ZeroMQ clients (himamba generate, the bench) connect to.")
+    ] = "ipc://@himamba-client"
+    tokenizer_ipc: Annotated[str, doc("The tokenizer service's inbox.")] = "ipc://@himamba-tokenizer"
+    scheduler_ipc: Annotated[str, doc("The scheduler service's inbox.")] = "ipc://@himamba-scheduler"
+    worker_ipc: Annotated[str, doc("The worker service's inbox.")] = "ipc://@himamba-worker"
+    cache_ipc: Annotated[str, doc("The cache service's inbox.")] = "ipc://@himamba-cache"
+    control_ipc: Annotated[str, doc("Where services report readiness and fatal errors to the launcher.")] = (
+        "ipc://@himamba-control"
+    )
 
 
 class SchedulerConfig(_Section):
     """Batching and request lifecycle policy."""
 
-    max_running_requests: PositiveInt = 64
-    chunked_prefill_size: PositiveInt = 512  # max new tokens of one prefill forward
-    default_max_tokens: PositiveInt = 128
-    mamba_scheduler_strategy: Literal["no_buffer", "extra_buffer", "extra_buffer_lazy", "single_buffer"] = "extra_buffer_lazy"
-    mamba_track_interval: PositiveInt = 64
-    disable_overlap: bool = False
-    debug_fail_lazy_alloc: bool = False  # test hook: every lazy track-slot allocation fails
+    max_running_requests: Annotated[
+        PositiveInt, doc("The most requests running (admitted) at once.", "--max-num-seqs")
+    ] = 64
+    chunked_prefill_size: Annotated[PositiveInt, doc("The most new prompt tokens one prefill forward runs.")] = 512
+    default_max_tokens: Annotated[PositiveInt, doc("Tokens generated for a request that does not say max_tokens.")] = (
+        128
+    )
+    mamba_scheduler_strategy: Annotated[
+        Literal["no_buffer", "extra_buffer", "extra_buffer_lazy", "single_buffer"],
+        doc(
+            "How decoded text reaches the prefix cache (states copied aside every --mamba-track-interval): "
+            "no_buffer (prompts only), extra_buffer (two track slots per request), extra_buffer_lazy (one, "
+            "a second on demand at each boundary), single_buffer (one, overwritten in place)."
+        ),
+    ] = "extra_buffer_lazy"
+    mamba_track_interval: Annotated[
+        PositiveInt, doc("Tokens between recurrent states cached while decoding (a multiple of the page size).")
+    ] = 64
+    disable_overlap: Annotated[
+        bool,
+        doc("Run scheduling and the forward one after the other instead of overlapped.", "--disable-overlap-schedule"),
+    ] = False
+    debug_fail_lazy_alloc: Annotated[bool, doc("Test hook: every lazy track-slot allocation fails.", hidden=True)] = (
+        False
+    )
 
 
 class CacheConfig(_Section):
     """Memory pools and the tiered prefix cache."""
 
-    page_size: PositiveInt = 16
-    max_total_tokens: NonNegInt = 0  # device KV capacity in tokens; 0: derive from free memory
-    max_mamba_cache_size: NonNegInt = 0  # device recurrent-state slots; 0: derive
-    disable_radix_cache: bool = False
-    enable_hierarchical_cache: bool = True
-    hicache_ratio: Annotated[float, msgspec.Meta(gt=0)] = 2.0  # each host pool = its device pool x ratio
-    hicache_size_gb: NonNegFloat = 0.0  # host pools in GB (1e9 B), split like the device pools; overrides the ratio
-    hicache_tokens: NonNegInt = 0  # host KV capacity in tokens; overrides size and ratio for the KV pool
-    hicache_mamba_slots: NonNegInt = 0  # host recurrent-state slots; overrides size and ratio for the state pool
-    hicache_write_policy: Literal["write_back", "write_through", "write_through_selective"] = "write_through"
-    eviction_policy: Literal["lru", "scan_resistant"] = "lru"
-    memory_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.25  # of free memory, when deriving sizes
+    page_size: Annotated[PositiveInt, doc("Tokens per KV page: the granularity of prefix-cache hits.")] = 16
+    max_total_tokens: Annotated[NonNegInt, doc("Device KV capacity in tokens; 0: derived from --memory-fraction.")] = 0
+    max_mamba_cache_size: Annotated[
+        NonNegInt, doc("Device recurrent-state slots; 0: derived from --memory-fraction.")
+    ] = 0
+    disable_radix_cache: Annotated[bool, doc("Turn the prefix cache off (every prompt is computed in full).")] = False
+    enable_hierarchical_cache: Annotated[
+        bool, doc("Back the device pools with host (RAM) pools and the storage tier.")
+    ] = True
+    hicache_ratio: Annotated[
+        float, msgspec.Meta(gt=0), doc("Each host pool's size as a multiple of its device pool.")
+    ] = 2.0
+    hicache_size_gb: Annotated[
+        NonNegFloat,
+        doc(
+            "Host pools in GB (1e9 bytes), split like the device pools; overrides --hicache-ratio; 0: unused.",
+            "--hicache-size",
+        ),
+    ] = 0.0
+    hicache_tokens: Annotated[
+        NonNegInt, doc("Host KV capacity in tokens; overrides the size and ratio for the KV pool; 0: unused.")
+    ] = 0
+    hicache_mamba_slots: Annotated[
+        NonNegInt, doc("Host recurrent-state slots; overrides the size and ratio for the state pool; 0: unused.")
+    ] = 0
+    hicache_write_policy: Annotated[
+        Literal["write_back", "write_through", "write_through_selective"],
+        doc(
+            "When device pages are copied to host: on eviction (write_back), at once (write_through), "
+            "or once reused (write_through_selective)."
+        ),
+    ] = "write_through"
+    eviction_policy: Annotated[
+        Literal["lru", "scan_resistant"],
+        doc(
+            "Which cached prefixes go first: least recently used, or lru that protects prefixes used more "
+            "than once from one-off scans.",
+            "--radix-eviction-policy",
+        ),
+    ] = "lru"
+    memory_fraction: Annotated[
+        float,
+        msgspec.Meta(gt=0, le=1),
+        doc(
+            "The share of device memory the pools get when their sizes are derived; of free or total memory, "
+            "see --memory-fraction-of."
+        ),
+    ] = 0.25
+    memory_fraction_of: Annotated[
+        Literal["free", "total"],
+        doc(
+            "What --memory-fraction is a share of. free: the pools get that share of the memory free once "
+            "the weights are loaded; total: "
+            "this server keeps everything under that share of total memory (sglang's --mem-fraction-static, "
+            "vLLM's --gpu-memory-utilization) and the pools get what is left under that."
+        ),
+    ] = "free"
     # The storage tier (L3): where host pages are backed up and prefetched from.
-    hicache_storage_backend: Literal["none", "file", "mooncake", "redis"] = "file"
-    hicache_storage_dir: str = ""  # file backend; "": $XDG_CACHE_HOME/himamba/storage
-    hicache_storage_max_bytes: NonNegInt = 0  # file backend's cap; 0: none
-    hicache_storage_url: str = ""  # redis://host:port/db, or the Mooncake master's host:port; "": localhost default
-    mooncake_metadata_server: str = ""  # "": the master's embedded one, http://<master host>:8080/metadata
-    mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
-    hicache_storage_prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
-    prefetch_threshold: NonNegInt = 256  # tokens: shorter storage hits are not worth a prefetch
-    prefetch_timeout_base_s: NonNegFloat = 2.0  # timeout policy: base + per_ki_token * tokens / 1024, capped
-    prefetch_timeout_per_ki_token_s: NonNegFloat = 0.1
-    prefetch_timeout_max_s: NonNegFloat = 30.0
+    hicache_storage_backend: Annotated[
+        Literal["none", "file", "mooncake", "redis"], doc("The storage tier (L3) behind the host pools.")
+    ] = "file"
+    hicache_storage_dir: Annotated[str, doc('The file backend\'s directory; "": $XDG_CACHE_HOME/himamba/storage.')] = ""
+    hicache_storage_max_bytes: Annotated[NonNegInt, doc("The file backend's size cap in bytes; 0: none.")] = 0
+    hicache_storage_url: Annotated[
+        str,
+        doc(
+            'The storage server: redis://host:port/db, or the Mooncake master\'s host:port; "": the localhost default.'
+        ),
+    ] = ""
+    mooncake_metadata_server: Annotated[
+        str, doc("Mooncake's metadata server; \"\": the master's embedded one, http://<master host>:8080/metadata.")
+    ] = ""
+    mooncake_protocol: Annotated[Literal["tcp", "rdma"], doc("Mooncake's transfer protocol.")] = "tcp"
+    hicache_storage_prefetch_policy: Annotated[
+        Literal["best_effort", "wait_complete", "timeout"],
+        doc("How long admission waits for a storage prefetch: not at all, until it completes, or up to a timeout."),
+    ] = "timeout"
+    prefetch_threshold: Annotated[NonNegInt, doc("Storage hits shorter than this many tokens are not prefetched.")] = (
+        256
+    )
+    prefetch_timeout_base_s: Annotated[
+        NonNegFloat, doc("With the timeout policy: seconds a prefetch may take, plus the per-token part, capped.")
+    ] = 2.0
+    prefetch_timeout_per_ki_token_s: Annotated[
+        NonNegFloat, doc("With the timeout policy: seconds added per 1024 prefetched tokens.")
+    ] = 0.1
+    prefetch_timeout_max_s: Annotated[
+        NonNegFloat, doc("With the timeout policy: the cap on a prefetch's timeout, in seconds.")
+    ] = 30.0
     # Test hooks: wrap the storage backend in a FlakyBackend (fault injection).
-    debug_storage_fail_rate: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
-    debug_storage_slow_s: NonNegFloat = 0.0
+    debug_storage_fail_rate: Annotated[
+        float, msgspec.Meta(ge=0, le=1), doc("Test hook: the share of storage calls that fail.", hidden=True)
+    ] = 0.0
+    debug_storage_slow_s: Annotated[NonNegFloat, doc("Test hook: seconds every storage call sleeps.", hidden=True)] = (
+        0.0
+    )
 
 
 class LogConfig(_Section):
-    level: Literal["debug", "info", "warning", "error"] = "info"
+    """What the services log."""
+
+    level: Annotated[
+        Literal["debug", "info", "warning", "error"],
+        doc("The log level of every service (the HIMAMBA_LOG_LEVEL environment variable wins).", "--log-level"),
+    ] = "info"
+    stats_interval_s: Annotated[
+        NonNegFloat,
+        doc(
+            "Seconds between the stats lines (throughput, requests, cache hits, pool use) logged while "
+            "serving; 0: none."
+        ),
+    ] = 10.0
 
 
 class HttpConfig(_Section):
     """The OpenAI-compatible HTTP front door (served by the tokenizer service) and /metrics."""
 
-    host: str = "127.0.0.1"  # loopback unless told otherwise: the API has no TLS of its own
-    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 30000  # 0: no HTTP server
-    api_key: str = ""  # "": no key; else clients send `Authorization: Bearer <key>` on /v1/*
+    host: Annotated[
+        str, doc("The HTTP address to listen on; loopback by default, as the API has no TLS of its own.")
+    ] = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535), doc("The HTTP port; 0: no HTTP server.")] = 30000
+    api_key: Annotated[
+        str,
+        doc(
+            'The key clients send as `Authorization: Bearer <key>` on /v1/*; "": none. '
+            "The HIMAMBA_API_KEY environment variable sets it without showing it in `ps`."
+        ),
+    ] = ""
+    access_log: Annotated[bool, doc("Log one line per HTTP request (method, path, status, size, time).")] = False
 
 
 class MetricsConfig(_Section):
     """How the services report their Prometheus metrics to the one scrape endpoint."""
 
-    report_interval_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 1.0
+    report_interval_s: Annotated[
+        float, msgspec.Meta(gt=0, le=60), doc("Seconds between each service's metrics reports to /metrics.")
+    ] = 1.0
 
 
 class Config(_Section):
@@ -122,7 +293,25 @@ class Config(_Section):
 
 
 class ConfigError(ValueError):
-    """A config file or flag that does not validate; the message names the field."""
+    """A config file or flag that does not validate; the message names the flag and the field."""
+
+
+def flag_of(section: str, field: str) -> str:
+    """The command-line flag of config field `section.field` (flat names: `--page-size`)."""
+    return "--" + field.replace("_", "-")
+
+
+def field_name(section: str, field: str) -> str:
+    """How errors name a field: its flag and where it sits in a config file."""
+    return f"{flag_of(section, field)} ({section}.{field})"
+
+
+_PATH = re.compile(r"`\$\.([a-z_]+)\.([a-z_]+)`")
+
+
+def _name_fields(message: str) -> str:
+    """msgspec says `$.cache.page_size`; users know the flag."""
+    return _PATH.sub(lambda m: field_name(m.group(1), m.group(2)), message)
 
 
 def load(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> Config:
@@ -136,7 +325,7 @@ def load(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | 
     try:
         cfg = msgspec.convert(raw, Config)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"invalid config: {e}") from None
+        raise ConfigError(f"invalid config: {_name_fields(str(e))}") from None
     validate(cfg)
     return cfg
 
@@ -144,79 +333,107 @@ def load(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | 
 def validate(cfg: Config) -> None:
     """Cross-field rules that a single field's type cannot say."""
     s, c = cfg.scheduler, cfg.cache
+    interval, page = field_name("scheduler", "mamba_track_interval"), field_name("cache", "page_size")
     if s.mamba_track_interval % c.page_size:
         raise ConfigError(
-            f"scheduler.mamba_track_interval ({s.mamba_track_interval}) must be a multiple of "
-            f"cache.page_size ({c.page_size}): states are only reusable at page boundaries"
+            f"{interval} = {s.mamba_track_interval} must be a multiple of {page} = {c.page_size}: "
+            "states are only reusable at page boundaries"
         )
     if s.chunked_prefill_size < c.page_size:
-        raise ConfigError(f"scheduler.chunked_prefill_size ({s.chunked_prefill_size}) must be >= cache.page_size ({c.page_size})")
+        raise ConfigError(
+            f"{field_name('scheduler', 'chunked_prefill_size')} = {s.chunked_prefill_size} "
+            f"must be >= {page} = {c.page_size}"
+        )
     if c.max_total_tokens and c.max_total_tokens < c.page_size:
-        raise ConfigError(f"cache.max_total_tokens ({c.max_total_tokens}) is smaller than one page ({c.page_size})")
+        raise ConfigError(
+            f"{field_name('cache', 'max_total_tokens')} = {c.max_total_tokens} "
+            f"is smaller than one page ({page} = {c.page_size})"
+        )
+
+
+class ResolvedDtype(NamedTuple):
+    """What `--dtype` comes to for one checkpoint and device, and why (for the start-up log)."""
+
+    dtype: str
+    why: str
+
+
+_SERVED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def resolve_dtype(model: ModelConfig, checkpoint_config: dict[str, Any]) -> ResolvedDtype:
+    """The one definition of `--dtype auto`: the checkpoint's dtype on CUDA (transformers 5 writes
+    `dtype`, older versions `torch_dtype`), float32 on CPU (the PyTorch reference kernels have no
+    faster half-precision path there, and float32 matches transformers exactly)."""
+    if model.dtype != "auto":
+        return ResolvedDtype(model.dtype, "as --dtype asks")
+    name = checkpoint_config.get("dtype") or checkpoint_config.get("torch_dtype") or "float32"
+    if model.device == "cpu":
+        return ResolvedDtype("float32", f"--dtype auto on cpu; the checkpoint's is {name}")
+    if name not in _SERVED_DTYPES:
+        raise ConfigError(
+            f"{field_name('model', 'dtype')}: auto found the checkpoint's dtype {name!r}, "
+            "which himamba does not serve; "
+            f"pass one of {', '.join(_SERVED_DTYPES)}"
+        )
+    return ResolvedDtype(name, f"--dtype auto: the checkpoint's, on {model.device}")
 
 
 def to_toml_dict(cfg: Config) -> dict[str, Any]:
     return msgspec.to_builtins(cfg)
 
 
-def _flag_name(field: str) -> str:
-    return "--" + field.replace("_", "-")
-
-
-def _sections() -> list[tuple[str, type[_Section]]]:
+def sections() -> list[tuple[str, type[_Section]]]:
+    """(name, struct) of each section of Config, in order."""
     hints = typing.get_type_hints(Config)
     return [(name, hints[name]) for name in Config.__struct_fields__]
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per config field (flat names: `--page-size`). Values are validated at load."""
-    seen: dict[str, str] = {}
-    for section, cls in _sections():
+class FieldInfo(NamedTuple):
+    """One config field as the command line sees it."""
+
+    section: str
+    field: str
+    type: Any  # the annotation, constraints included
+    base: Any  # bool, int, float, str or a Literal
+    default: Any
+    doc: str
+    aliases: tuple[str, ...]
+    hidden: bool
+
+    @property
+    def flag(self) -> str:
+        return flag_of(self.section, self.field)
+
+
+def fields() -> list[FieldInfo]:
+    """Every config field with its documentation (from its `doc(...)`)."""
+    out = []
+    for section, cls in sections():
         hints = typing.get_type_hints(cls, include_extras=True)
-        group = parser.add_argument_group(f"{section} (config [{section}])")
         for field in cls.__struct_fields__:
-            flag = _flag_name(field)
-            if flag in seen:
-                raise AssertionError(f"config field {section}.{field} collides with {seen[flag]} as {flag}")
-            seen[flag] = f"{section}.{field}"
-            default = getattr(cls(), field)
-            base = typing.get_origin(hints[field]) or hints[field]
-            if base is Annotated:
-                base = typing.get_args(hints[field])[0]
-            dest = f"cfg__{section}__{field}"
-            help_text = f"[{section}] default: {default!r}"
-            if base is bool:
-                group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-            elif typing.get_origin(hints[field]) is Literal:
-                choices = typing.get_args(hints[field])
-                group.add_argument(flag, dest=dest, choices=choices, default=None, help=help_text)
-            else:
-                group.add_argument(flag, dest=dest, type=str, default=None, help=help_text)
-
-
-def overrides_from_args(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Collect the flags the user gave, typed by the field (strings are parsed as TOML values)."""
-    out: dict[str, dict[str, Any]] = {}
-    for key, value in vars(args).items():
-        if not key.startswith("cfg__") or value is None:
-            continue
-        _, section, field = key.split("__", 2)
-        if isinstance(value, str):
-            value = _parse_scalar(value)
-        out.setdefault(section, {})[field] = value
+            hint = hints[field]
+            base, metas = hint, ()
+            if typing.get_origin(hint) is Annotated:
+                base, *rest = typing.get_args(hint)
+                metas = tuple(m for m in rest if isinstance(m, msgspec.Meta))
+            description = next((m.description for m in metas if m.description), "")
+            extra: dict[str, Any] = {}
+            for m in metas:
+                extra.update(m.extra or {})
+            out.append(
+                FieldInfo(
+                    section,
+                    field,
+                    hint,
+                    base,
+                    getattr(cls(), field),
+                    description,
+                    tuple(extra.get("aliases", ())),
+                    bool(extra.get("hidden")),
+                )
+            )
     return out
-
-
-def _parse_scalar(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text  # a bare string such as a path
-
-
-def config_from_args(args: argparse.Namespace) -> Config:
-    """The Config a CLI invocation asks for: `--config FILE` (optional) plus flags."""
-    return load(getattr(args, "config", None), overrides_from_args(args))
 
 
 def encode(cfg: Config) -> bytes:

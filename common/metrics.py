@@ -3,7 +3,9 @@
 Names are `himamba_<area>_<what>_<unit>` (counters end in `_total`). Each family is owned by
 exactly one service, which alone updates and exports it (see `metrics_report.py`); the tokenizer
 serves every service's families at its one `/metrics`, so a server is one scrape target.
-`grafana/generate.py` builds the dashboard from this table, so names never drift.
+`grafana/generate.py` builds the dashboard from this table, so names never drift. Besides
+`ALL_METRICS`, every service exports its own process metrics (`PROCESS_METRICS`, labelled by
+service) and the front door adds `himamba_build_info` and a `model_name` label on every series.
 
 Label values are closed sets (`LABEL_VALUES`), and every combination is created at zero when a
 service starts: a family is visible before its first event, and no series appears mid-run.
@@ -16,6 +18,7 @@ from __future__ import annotations
 from typing import Literal, NamedTuple
 
 Service = Literal["tokenizer", "scheduler", "worker", "cache"]
+Owner = Service | Literal["every"]  # "every": each service exports its own series, labelled service=...
 MetricType = Literal["counter", "gauge", "histogram"]
 
 SERVICES: tuple[Service, ...] = ("tokenizer", "scheduler", "worker", "cache")
@@ -24,11 +27,12 @@ LOWER_TIERS = ("host", "storage")  # the tier a backup writes to / a prefetch re
 KINDS = ("kv", "mamba")
 
 LABEL_VALUES: dict[str, tuple[str, ...]] = {
+    "service": SERVICES,
     "tier": TIERS,
     "kind": KINDS,
     "op": ("backup", "prefetch", "lookup"),
     "event": ("unreachable", "reconnect", "refused_write", "corrupt"),
-    "strategy": ("no_buffer", "extra_buffer", "extra_buffer_lazy"),
+    "strategy": ("no_buffer", "extra_buffer", "extra_buffer_lazy", "single_buffer"),
     "mode": ("prefill", "decode", "none"),
     "reason": ("stop", "length", "abort", "error"),
     "route": ("completions", "chat_completions", "models", "health", "metrics", "other"),
@@ -48,7 +52,7 @@ class MetricDef(NamedTuple):
     name: str
     help: str
     type: MetricType
-    service: Service
+    service: Owner
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
     label_values: tuple[tuple[str, tuple[str, ...]], ...] = ()  # per-family subsets, e.g. tier: host/storage
@@ -280,6 +284,58 @@ HTTP_RESPONSES = MetricDef(
     ("route", "status"),
 )
 
+# ---------------------------------------------------------------- every service: its own process
+# Four processes serve one model: each reports its own resident memory and CPU, labelled by service
+# (prometheus_client's process_* collector, renamed, since one scrape target carries all four).
+PROCESS_RESIDENT_MEMORY = MetricDef(
+    "himamba_process_resident_memory_bytes", "Resident memory of the service's process.", "gauge", "every", ("service",)
+)
+PROCESS_VIRTUAL_MEMORY = MetricDef(
+    "himamba_process_virtual_memory_bytes", "Virtual memory of the service's process.", "gauge", "every", ("service",)
+)
+PROCESS_CPU = MetricDef(
+    "himamba_process_cpu_seconds_total",
+    "User and system CPU time the service's process spent.",
+    "counter",
+    "every",
+    ("service",),
+)
+PROCESS_OPEN_FDS = MetricDef(
+    "himamba_process_open_fds", "Open file descriptors of the service's process.", "gauge", "every", ("service",)
+)
+PROCESS_START_TIME = MetricDef(
+    "himamba_process_start_time_seconds",
+    "When the service's process started, in seconds since the Unix epoch.",
+    "gauge",
+    "every",
+    ("service",),
+)
+PROCESS_METRICS: tuple[MetricDef, ...] = (
+    PROCESS_RESIDENT_MEMORY,
+    PROCESS_VIRTUAL_MEMORY,
+    PROCESS_CPU,
+    PROCESS_OPEN_FDS,
+    PROCESS_START_TIME,
+)
+
+# ---------------------------------------------------------------- the server (rendered by the front door)
+# What is running: 1, with the build and the settings an operator compares across a fleet as labels
+# (open values, so not in LABEL_VALUES). Every series of /metrics also carries model_name.
+BUILD_INFO = MetricDef(
+    "himamba_build_info", "The server's version and main settings, as labels; always 1.", "gauge", "tokenizer"
+)
+BUILD_INFO_LABELS = (
+    "version",
+    "torch_version",
+    "dtype",
+    "device",
+    "page_size",
+    "max_context_len",
+    "mamba_scheduler_strategy",
+    "storage_backend",
+)
+MODEL_NAME_LABEL = "model_name"
+
 ALL_METRICS: tuple[MetricDef, ...] = (
     POOL_CAPACITY_BYTES,
     POOL_USED_BYTES,
@@ -327,4 +383,4 @@ def metrics_of(service: Service) -> tuple[MetricDef, ...]:
 
 def exported_names() -> frozenset[str]:
     """Every series name the server exports (histograms as _bucket/_sum/_count)."""
-    return frozenset(n for m in ALL_METRICS for n in m.sample_names)
+    return frozenset(n for m in (*ALL_METRICS, *PROCESS_METRICS, BUILD_INFO) for n in m.sample_names)

@@ -1,7 +1,8 @@
 """A service's own Prometheus registry, and the loop that reports it to the tokenizer.
 
 Each service keeps a private CollectorRegistry holding only the families it owns
-(`metrics.metrics_of(service)`), every label combination created at zero. Every
+(`metrics.metrics_of(service)`), every label combination created at zero, plus its own
+process metrics (`metrics.PROCESS_METRICS`, labelled by service). Every
 `interval_s` it renders the registry in the text format and sends it as a `MetricsReport`
 to the tokenizer, which serves it at `/metrics` beside its own: one scrape target per
 server, no shared files (prometheus_client's multiprocess mode needs a shared directory
@@ -17,21 +18,50 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import ClassVar
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
+    disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric as MetricFamily
 
 from himamba.common.messages import MetricsReport
-from himamba.common.metrics import MetricDef, Service, metrics_of
+from himamba.common.metrics import PROCESS_METRICS, MetricDef, Service, metrics_of
 from himamba.common.transport import Outbox
 
 Metric = Counter | Gauge | Histogram
+
+# `*_created` series (a gauge per counter and histogram child) were a quarter of all samples and
+# no dashboard or alert reads them: Prometheus itself tracks counter resets.
+disable_created_metrics()
+
+
+class _ServiceProcessCollector:
+    """This process's resident memory, CPU time, fds and start time (prometheus_client's
+    process collector), as the `PROCESS_METRICS` families labelled service=<this service>."""
+
+    _WANTED: ClassVar[dict[str, MetricDef]] = {d.name.removesuffix("_total"): d for d in PROCESS_METRICS}
+
+    def __init__(self, service: Service):
+        self.service = service
+        self._inner = ProcessCollector(registry=None)
+
+    def collect(self) -> Iterator[MetricFamily]:
+        for family in self._inner.collect():
+            defn = self._WANTED.get("himamba_" + family.name)
+            if defn is None:
+                continue
+            out = MetricFamily(defn.name.removesuffix("_total"), defn.help, family.type)
+            for sample in family.samples:
+                out.add_sample("himamba_" + sample.name, {**sample.labels, "service": self.service}, sample.value)
+            yield out
 
 
 def _make(defn: MetricDef, registry: CollectorRegistry) -> Metric:
@@ -77,6 +107,7 @@ class MetricsReporter:
         self.service = service
         self.registry = CollectorRegistry(auto_describe=True)
         self.metrics = ServiceMetrics(service, self.registry)
+        self.registry.register(_ServiceProcessCollector(service))
         self._outbox = outbox
         self._interval_s = interval_s
         self._collectors: list[Callable[[ServiceMetrics], None]] = []

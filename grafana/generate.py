@@ -39,7 +39,7 @@ class Panel(NamedTuple):
 def _sel(defn: MetricDef, suffix: str = "", extra: str = "") -> str:
     name = defn.name + suffix
     assert name in defn.sample_names, name
-    matchers = 'instance=~"$instance"' + (f", {extra}" if extra else "")
+    matchers = 'instance=~"$instance", model_name=~"$model_name"' + (f", {extra}" if extra else "")
     return f"{name}{{{matchers}}}"
 
 
@@ -209,6 +209,39 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             ),
         ),
     ),
+    (
+        "Processes",
+        (
+            Panel(
+                "Resident memory per service",
+                (Target(f"sum by (service) ({_sel(m.PROCESS_RESIDENT_MEMORY)})", "{{service}}"),),
+                "bytes",
+                "Each of the four processes of a server measures itself; the worker holds the model.",
+            ),
+            Panel(
+                "CPU per service",
+                (Target(_rate(m.PROCESS_CPU, by="service"), "{{service}}"),),
+                "percentunit",
+                "CPU seconds per second (1 = one core busy).",
+            ),
+            Panel(
+                "Open file descriptors per service",
+                (Target(f"sum by (service) ({_sel(m.PROCESS_OPEN_FDS)})", "{{service}}"),),
+                "short",
+            ),
+            Panel(
+                "Running servers by version and dtype",
+                (
+                    Target(
+                        f"count by (version, dtype, device) ({_sel(m.BUILD_INFO)})",
+                        "{{version}} {{dtype}} {{device}}",
+                    ),
+                ),
+                "short",
+                "himamba_build_info: one series per server, its settings as labels.",
+            ),
+        ),
+    ),
 )
 
 
@@ -275,6 +308,20 @@ def build_dashboard() -> dict[str, Any]:
                     "type": "datasource",
                     "query": "prometheus",
                     "current": {},
+                    "hide": 0,
+                },
+                {
+                    "name": "model_name",
+                    "label": "Model",
+                    "type": "query",
+                    "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                    "query": {"query": f"label_values({m.BUILD_INFO.name}, model_name)", "refId": "model_name"},
+                    "definition": f"label_values({m.BUILD_INFO.name}, model_name)",
+                    "includeAll": True,
+                    "multi": True,
+                    "allValue": ".*",
+                    "current": {"text": "All", "value": "$__all"},
+                    "refresh": 2,
                     "hide": 0,
                 },
                 {

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import signal
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 
-from himamba.common.config import Config, ConfigError, add_config_flags, config_from_args
+from himamba.common.config import Config, ConfigError, field_name, resolve_dtype
+from himamba.common.config_flags import accepted_notes, add_config_flags, config_from_args, formatter_class
 from himamba.common.log import setup_logging
 
 DEMO_ARCH = "nemotron_h"
@@ -23,13 +26,59 @@ def demo_dir() -> Path:
     return base / f"demo-{DEMO_ARCH}-{DEMO_PRESET}-v1"
 
 
-def resolve_model(cfg: Config) -> Config:
-    """Replace `model = "demo"` by the demo checkpoint's directory, building it once."""
-    if cfg.model.model != "demo":
-        path = Path(cfg.model.model).expanduser()
-        if not (path / "config.json").exists():
-            raise ConfigError(f"model: {path} is not a checkpoint directory (no config.json)")
-        return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, model=str(path.resolve())))
+class Resolved(NamedTuple):
+    """The Config the services run (model paths absolute, dtype concrete) and what start-up logs about it."""
+
+    cfg: Config
+    notes: list[str]
+
+
+def resolve_model(cfg: Config) -> Resolved:
+    """Make the model settings concrete before any service starts: `model = "demo"` becomes the demo
+    checkpoint (built once), paths become absolute and are checked, `dtype = "auto"` becomes a dtype."""
+    m = cfg.model
+    if m.model != "demo":
+        path = Path(m.model).expanduser()
+        if not (path / "config.json").is_file():
+            hint = (
+                " (hub ids are not downloaded: `hf download <repo> --local-dir DIR`, then pass DIR)"
+                if not path.exists()
+                else ""
+            )
+            raise ConfigError(
+                f"{field_name('model', 'model')}: {path} is not a checkpoint directory (no config.json){hint}"
+            )
+        path = path.resolve()
+    else:
+        path = _demo_checkpoint()
+    tokenizer = Path(m.tokenizer).expanduser().resolve() if m.tokenizer else path
+    if not (tokenizer / "tokenizer.json").is_file():
+        which = field_name("model", "tokenizer") if m.tokenizer else field_name("model", "model")
+        raise ConfigError(f"{which}: {tokenizer} has no tokenizer.json")
+    chat_template = m.chat_template
+    if chat_template and "{{" not in chat_template and "{%" not in chat_template:
+        template_path = Path(chat_template).expanduser()
+        if not template_path.is_file():
+            raise ConfigError(
+                f"{field_name('model', 'chat_template')}: {chat_template} is neither a file nor a Jinja template"
+            )
+        chat_template = str(template_path.resolve())
+    try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{field_name('model', 'model')}: cannot read {path / 'config.json'}: {e}") from None
+    dtype = resolve_dtype(m, raw if isinstance(raw, dict) else {})
+    model = msgspec.structs.replace(
+        m,
+        model=str(path),
+        tokenizer=str(tokenizer) if m.tokenizer else "",
+        chat_template=chat_template,
+        dtype=dtype.dtype,
+    )
+    return Resolved(msgspec.structs.replace(cfg, model=model), [f"dtype {dtype.dtype} ({dtype.why})"])
+
+
+def _demo_checkpoint() -> Path:
     from himamba.services.modelgen.checkpoint import make_checkpoint
 
     path = demo_dir()
@@ -43,7 +92,7 @@ def resolve_model(cfg: Config) -> Config:
             tmp.rename(path)
         except OSError:  # another process finished first
             shutil.rmtree(tmp, ignore_errors=True)
-    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, model=str(path)))
+    return path
 
 
 def _service(name: str, cfg: Config) -> None:
@@ -63,14 +112,18 @@ def _service(name: str, cfg: Config) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="himamba", description="Serve hybrid Mamba/attention models with a tiered prefix cache.")
+    p = argparse.ArgumentParser(
+        prog="himamba", description="Serve hybrid Mamba/attention models with a tiered prefix cache."
+    )
     sub = p.add_subparsers(dest="command", required=True)
+    # No abbreviations: `--tok` must not silently mean one of --tokenizer / --tokenizer-ipc.
+    flags = {"formatter_class": formatter_class(), "allow_abbrev": False}
 
-    serve = sub.add_parser("serve", help="start the four services and supervise them")
+    serve = sub.add_parser("serve", help="start the four services and supervise them", **flags)
     serve.add_argument("--config", help="a TOML config file (default: the embedded defaults)")
-    add_config_flags(serve)
+    add_config_flags(serve, positional_model=True)
 
-    svc = sub.add_parser("service", help="run one service alone (for external supervisors)")
+    svc = sub.add_parser("service", help="run one service alone (for external supervisors)", **flags)
     svc.add_argument("name", choices=["tokenizer", "scheduler", "worker", "cache"])
     svc.add_argument("--config", help="a TOML (or JSON) config file")
     add_config_flags(svc)
@@ -108,15 +161,25 @@ def main(argv: list[str] | None = None) -> int:
             out = make_checkpoint(args.arch, Path(args.out), preset=args.preset, seed=args.seed)
             print(f"wrote a random-weight {args.arch} ({args.preset}) checkpoint to {out}")
             return 0
-        cfg = resolve_model(config_from_args(args))
+        asked = config_from_args(args)
+        cfg, notes = resolve_model(asked)
     except (ConfigError, ValueError) as e:
         print(f"himamba: {e}", file=sys.stderr)
         return 2
     if args.command == "serve":
         from himamba.services.launch import serve
 
-        setup_logging("launcher", cfg.log.level)
+        log = setup_logging("launcher", cfg.log.level)
+        for note in [*notes, *accepted_notes(args)]:
+            log.info("%s", note)
         return serve(cfg)
+    # Under a process manager the worker, which loads the model, says what auto resolved to (under
+    # `himamba serve` the launcher said it, and hands its children a resolved config).
+    worker_notes = [*(notes if asked.model.dtype == "auto" else []), *accepted_notes(args)]
+    if args.name == "worker" and worker_notes:
+        log = setup_logging(args.name, cfg.log.level)
+        for note in worker_notes:
+            log.info("%s", note)
     _service(args.name, cfg)
     return 0
 

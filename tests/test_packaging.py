@@ -24,3 +24,12 @@ def test_our_kernels_folder_does_not_shadow_hf_kernels():
 
     spec = importlib.util.find_spec("kernels")
     assert spec is None or "site-packages" in (spec.origin or "")
+
+
+def test_license_is_apache_2_and_shipped():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"
+    assert project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text

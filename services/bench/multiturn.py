@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import math
 import os
 import random
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from himamba.common.client import AsyncClient
+from himamba.common.config import ModelConfig, resolve_dtype
 from himamba.common.machine_info import describe_machine
 from himamba.common.progress import Progress
 from himamba.common.report_files import write_json
@@ -241,7 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     token_pool = ordinary_token_ids(model_dir)
     server_args = shlex.split(args.server_args)
     machine = describe_machine(args.torch_threads, args.device)
-    model = describe_model(model_dir, "" if args.model else args.preset, _flag_value(server_args, "--dtype", "float32"))
+    # The dtype the server will run: `--dtype auto` resolved as the server resolves it.
+    asked = ModelConfig(dtype=_flag_value(server_args, "--dtype", "auto"), device=args.device)  # type: ignore[arg-type]
+    dtype = resolve_dtype(asked, json.loads((model_dir / "config.json").read_text())).dtype
+    model = describe_model(model_dir, "" if args.model else args.preset, dtype)
     out_dir = Path(args.out)
     notes: list[str] = []
     skipped: dict[str, str] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -90,6 +91,7 @@ class CacheService(Actor[ToCache]):
         self._storage_seen: dict[str, int] = {}
         self._cache_steps = 0
         self._storage_work = asyncio.Event()  # set when a step or an ack may have started storage work
+        self._storage_announced = False
 
     async def start(self) -> str:
         # The pools' sizes come from the worker, which knows the model; wait for it.
@@ -267,7 +269,10 @@ class CacheService(Actor[ToCache]):
             self.log.warning("storage tier off: %s: %s", type(e).__name__, e)
             return
         self.ctrl.attach_storage(self._io, fp)
-        self.log.info("storage tier on: %s backend", cache.hicache_storage_backend)
+        # Reopened after every reset of the pools: say so once, not at each reopening.
+        level = logging.DEBUG if self._storage_announced else logging.INFO
+        self.log.log(level, "storage tier on: %s backend", cache.hicache_storage_backend)
+        self._storage_announced = True
 
     def _reset_message(
         self, reason: Literal["worker_restarted", "cache_started", "scheduler_started"], scheduler_pid: int = 0
@@ -286,7 +291,10 @@ class CacheService(Actor[ToCache]):
             # The worker's answer to our Hello, in its inbox order: every batch and copy an earlier
             # scheduler sent it has run, so the pools can be handed out afresh.
             if self._greetings:
-                self.log.warning("a new scheduler: forgetting the cache and what the previous one held")
+                if self._scheduler_pid:  # a previous scheduler held pages and slots: that is news
+                    self.log.warning("a new scheduler: forgetting the cache and what the previous one held")
+                else:  # the first scheduler of this controller: nothing to forget
+                    self.log.info("serving scheduler pid %s", ", ".join(map(str, sorted(self._greetings))))
                 self._close_storage()
                 self.on_worker_info(info)
                 await self._answer_greetings()

@@ -36,13 +36,13 @@ def _as_id_list(value: Any) -> list[int]:
     return []
 
 
-def _eos_ids(model_dir: Path, tokenizer: Tokenizer) -> list[int]:
+def _eos_ids(model_dir: Path, tokenizer_dir: Path, tokenizer: Tokenizer) -> list[int]:
     # generation_config.json is what HF generate() honours, so it wins over config.json.
     for name in ("generation_config.json", "config.json"):
         ids = _as_id_list(_read_json(model_dir / name).get("eos_token_id"))
         if ids:
             return ids
-    token = _read_json(model_dir / "tokenizer_config.json").get("eos_token")
+    token = _read_json(tokenizer_dir / "tokenizer_config.json").get("eos_token")
     if isinstance(token, dict):  # older files store an AddedToken as a dict
         token = token.get("content")
     if isinstance(token, str):
@@ -52,14 +52,16 @@ def _eos_ids(model_dir: Path, tokenizer: Tokenizer) -> list[int]:
     return []
 
 
-def load_tokenizer(model_dir: str | Path) -> LoadedTokenizer:
-    """Load `model_dir/tokenizer.json` and the eos ids (generation_config, config, tokenizer_config)."""
+def load_tokenizer(model_dir: str | Path, tokenizer_dir: str | Path | None = None) -> LoadedTokenizer:
+    """Load `tokenizer.json` (from `tokenizer_dir`, by default the model's) and the eos ids
+    (the model's generation_config and config, then the tokenizer's tokenizer_config)."""
     model_dir = Path(model_dir)
-    path = model_dir / "tokenizer.json"
+    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else model_dir
+    path = tokenizer_dir / "tokenizer.json"
     if not path.is_file():
-        raise ValueError(f"model: {model_dir} has no tokenizer.json")
+        raise ValueError(f"model: {tokenizer_dir} has no tokenizer.json")
     tokenizer = Tokenizer.from_file(str(path))
     vocab = _read_json(model_dir / "config.json").get("vocab_size")
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 0:
         vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    return LoadedTokenizer(tokenizer, _eos_ids(model_dir, tokenizer), vocab)
+    return LoadedTokenizer(tokenizer, _eos_ids(model_dir, tokenizer_dir, tokenizer), vocab)

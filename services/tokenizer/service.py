@@ -44,6 +44,7 @@ from himamba.common.messages import (
     ToTokenizer,
     WorkerInfo,
 )
+from himamba.common.metrics_exposition import build_info_text, merge_expositions
 from himamba.common.metrics_report import MetricsReporter, ServiceMetrics
 from himamba.common.transport import Outbox
 from himamba.common.types import FinishReason, Usage
@@ -67,6 +68,7 @@ from himamba.services.tokenizer.prepare import RequestLimits, prepare_request
 from himamba.services.tokenizer.request_metrics import RequestClock, RequestMetrics
 from himamba.services.tokenizer.requests import RequestEntry, RequestTable, internal_rid
 from himamba.services.tokenizer.samples import sample_requests
+from himamba.services.tokenizer.stats_log import StatsLine, parse_samples
 
 # A peer whose metrics reports stop for this many report intervals counts as gone.
 _STALE_REPORTS = 5
@@ -120,11 +122,12 @@ class TokenizerService(Actor[ToTokenizer]):
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> str:
-        self._loaded = load_tokenizer(self.cfg.model.model)
+        m = self.cfg.model
+        self._loaded = load_tokenizer(m.model, m.tokenizer or None)
         self._vocab_size = self._loaded.vocab_size
         self._eos_token_ids = list(self._loaded.eos_token_ids)
         try:
-            self.chat_template = load_chat_template(self.cfg.model.model)
+            self.chat_template = load_chat_template(m.tokenizer or m.model, m.chat_template)
         except ValueError as e:  # a broken template costs chat completions, not the server
             self.log.error("%s; /v1/chat/completions will refuse requests", e)
         self._scheduler = Outbox(self.ctx, self.cfg.endpoints.scheduler_ipc)
@@ -142,6 +145,8 @@ class TokenizerService(Actor[ToTokenizer]):
         """The client loop (the inbox loop of the base class serves the scheduler side)."""
         assert self._clients is not None
         self.spawn(self._watch_peers(), "peers")
+        if self.cfg.log.stats_interval_s:
+            self.spawn(self._log_stats(self.cfg.log.stats_interval_s), "stats")
         while True:
             event = await self._clients.recv()
             if isinstance(event, ClientGone):
@@ -170,6 +175,15 @@ class TokenizerService(Actor[ToTokenizer]):
                 repeat_s = min(2 * repeat_s, _WAITING_LOG_MAX_S)
                 next_log = now + repeat_s
             await asyncio.sleep(0.1)
+
+    async def _log_stats(self, interval_s: float) -> None:
+        """The periodic stats line (stats_log.py), from this server's own /metrics page."""
+        line = StatsLine()
+        while True:
+            text = line.update(parse_samples(self.metrics_text()), time.monotonic())
+            if text is not None:
+                self.log.info("%s", text)
+            await asyncio.sleep(interval_s)
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests (503) and give the running ones up to `timeout_s` to finish.
@@ -221,9 +235,10 @@ class TokenizerService(Actor[ToTokenizer]):
         return self.peers.readiness(time.monotonic())
 
     def metrics_text(self) -> str:
-        """The whole server's metrics: the front door's own, then each peer's latest report."""
-        parts = [self._reporter.render(), *self.peers.reports(time.monotonic())]
-        return "".join(p if p.endswith("\n") else p + "\n" for p in parts)
+        """The whole server's metrics: build info, the front door's own, each peer's latest report
+        (merged by family, every series labelled with the model name)."""
+        parts = [build_info_text(self.cfg), self._reporter.render(), *self.peers.reports(time.monotonic())]
+        return merge_expositions(parts, self.model_name)
 
     async def open_stream(self, req: GenerateRequest) -> ReplyStream:
         """Submit `req` as a new in-process client; its replies arrive on the returned stream."""

@@ -37,9 +37,32 @@ def free_memory_bytes(device: torch.device) -> int:
     return 4 << 30
 
 
+def total_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+        return int(total)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return free_memory_bytes(device)
+
+
+def pool_budget(c: CacheConfig, free: int, total: int) -> int:
+    """Bytes the device pools may take. `memory_fraction_of = "free"`: that share of what is free
+    once the weights are loaded. "total" (sglang's --mem-fraction-static): the whole process stays
+    under that share of total memory, so the pools get what is free above the rest's share."""
+    if c.memory_fraction_of == "total":
+        return max(0, free - int(total * (1 - c.memory_fraction)))
+    return int(free * c.memory_fraction)
+
+
 def plan_pools(cfg: Config, kv: KVSpec, state: StateSpec, device: torch.device) -> PoolPlan:
     c, s = cfg.cache, cfg.scheduler
-    budget = int(free_memory_bytes(device) * c.memory_fraction)
+    budget = pool_budget(c, free_memory_bytes(device), total_memory_bytes(device))
     # The most any workload can use: every running request at full context, twice over for cache.
     max_useful_pages = 2 * s.max_running_requests * cfg.model.max_context_len // c.page_size + 1
     max_useful_slots = 8 * s.max_running_requests

@@ -1,11 +1,10 @@
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
 
-from himamba.common.config import Config, ConfigError, add_config_flags, config_from_args, load
+from himamba.common.config import Config, ConfigError, ModelConfig, fields, load, resolve_dtype
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -14,33 +13,44 @@ def test_default_toml_equals_embedded_default():
     assert load(ROOT / "configs" / "default.toml") == Config()
 
 
-def _parse(argv):
-    p = argparse.ArgumentParser()
-    p.add_argument("--config")
-    add_config_flags(p)
-    return config_from_args(p.parse_args(argv))
+def test_every_field_is_documented_once():
+    for info in fields():
+        assert info.doc and info.doc[0].isupper(), info.flag
+        assert info.doc.endswith("."), info.flag
+    hidden = {info.field for info in fields() if info.hidden}
+    assert hidden == {"debug_fail_lazy_alloc", "debug_storage_fail_rate", "debug_storage_slow_s"}
 
 
-def test_flags_are_generated_from_fields():
-    cfg = _parse(["--page-size", "32", "--disable-radix-cache", "--model", "/x/y", "--hicache-write-policy", "write_back"])
-    assert cfg.cache.page_size == 32
-    assert cfg.cache.disable_radix_cache is True
-    assert cfg.model.model == "/x/y"
-    assert cfg.cache.hicache_write_policy == "write_back"
-    assert cfg.scheduler == Config().scheduler
-
-
-def test_bad_values_name_the_field(tmp_path):
-    with pytest.raises(ConfigError, match=r"cache.page_size"):
-        _parse(["--page-size", "0"])
+def test_file_errors_name_the_flag_and_the_field(tmp_path):
     f = tmp_path / "c.toml"
+    f.write_text("[cache]\npage_size = 0\n")
+    with pytest.raises(ConfigError, match=r"--page-size \(cache\.page_size\)"):
+        load(f)
     f.write_text("[cache]\npagesize = 3\n")
     with pytest.raises(ConfigError, match="pagesize"):
         load(f)
+    f.write_text("[cache]\npage_size = 48\n")
+    with pytest.raises(ConfigError, match=r"--mamba-track-interval .* multiple of --page-size"):
+        load(f)
 
 
-def test_file_then_flags(tmp_path):
-    f = tmp_path / "c.toml"
-    f.write_text("[cache]\npage_size = 4\nmax_total_tokens = 1024\n")
-    cfg = _parse(["--config", str(f), "--max-total-tokens", "2048"])
-    assert (cfg.cache.page_size, cfg.cache.max_total_tokens) == (4, 2048)
+@pytest.mark.parametrize(
+    ("device", "dtype", "checkpoint", "want"),
+    [
+        ("cuda", "auto", {"dtype": "bfloat16"}, "bfloat16"),  # transformers 5
+        ("cuda", "auto", {"torch_dtype": "float16"}, "float16"),  # older checkpoints
+        ("cuda", "auto", {}, "float32"),
+        ("cpu", "auto", {"dtype": "bfloat16"}, "float32"),  # CPU: the reference kernels run float32
+        ("cpu", "bfloat16", {"dtype": "float32"}, "bfloat16"),  # an explicit dtype wins
+        ("cuda", "float16", {"dtype": "bfloat16"}, "float16"),
+    ],
+)
+def test_dtype_auto_has_one_definition(device, dtype, checkpoint, want):
+    got = resolve_dtype(ModelConfig(device=device, dtype=dtype), checkpoint)
+    assert got.dtype == want
+    assert got.why  # the start-up log says why
+
+
+def test_dtype_auto_refuses_a_dtype_it_cannot_serve():
+    with pytest.raises(ConfigError, match=r"--dtype .*float8_e4m3fn.*pass one of"):
+        resolve_dtype(ModelConfig(device="cuda"), {"dtype": "float8_e4m3fn"})

@@ -88,3 +88,16 @@ def test_request_kwargs_override_special_tokens(tmp_path: Path):
     assert tpl is not None
     assert tpl.render([], extra={"flavour": "x"}) == "<|system|>|x"
     assert tpl.render([], extra={"bos_token": "B", "flavour": "y"}) == "B|y"
+
+
+def test_chat_template_flag_replaces_the_checkpoints(tmp_path: Path):
+    """--chat-template: a file, or the template itself, wins over the checkpoint's."""
+    model = _write_model(tmp_path, "checkpoint's {{ eos_token }}")
+    inline = load_chat_template(model, "inline {{ eos_token }}")
+    assert inline is not None and inline.render([]) == "inline <|endoftext|>"
+    path = tmp_path / "mine.jinja"
+    path.write_text("file {{ bos_token }}")
+    from_file = load_chat_template(model, str(path))
+    assert from_file is not None and from_file.render([]) == "file <|system|>"
+    (tmp_path / "none").mkdir()
+    assert load_chat_template(tmp_path / "none", str(path)) is not None  # a checkpoint without one can chat

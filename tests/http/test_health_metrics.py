@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from himamba.common.messages import MetricsReport, WorkerInfo
+from tests.scrape import samples as scrape_samples
 
 Harness = Any  # tests/http/conftest.py's Harness
 
@@ -73,14 +74,12 @@ def test_metrics_serves_own_families_and_peer_reports(harness: Harness):
     while True:
         scrape = harness.get("/metrics", key=None)
         text = scrape.body.decode()
-        if "himamba_scheduler_running_requests 3.0" in text or time.monotonic() > deadline:
+        samples = scrape_samples(text)
+        if samples.get("himamba_scheduler_running_requests") == 3.0 or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     assert scrape.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-    assert "himamba_scheduler_running_requests 3.0" in text
-    samples = {
-        line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and not line.startswith("#")
-    }
+    assert samples["himamba_scheduler_running_requests"] == 3.0
     prompt_len = len(harness.tokenizer.encode("count me").ids)
     assert samples["himamba_request_prompt_tokens_total"] >= prompt_len
     assert samples["himamba_request_generation_tokens_total"] >= 2

@@ -14,6 +14,7 @@ import pytest
 
 from himamba.common.client import Client, Completion
 from himamba.common.messages import CacheStats
+from tests.scrape import samples as scrape_samples
 
 PROMPT_LEN = 40  # longer than a page (16 tokens by default): the siblings can hit it
 CACHED_METRIC = 'himamba_request_cached_tokens_total{tier="device"}'
@@ -21,9 +22,7 @@ CACHED_METRIC = 'himamba_request_cached_tokens_total{tier="device"}'
 
 def _cached_device_tokens(live: Any) -> float:
     """The front door's counter of prompt tokens the device cache served (all samples)."""
-    text = live.get("/metrics").body.decode()
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(CACHED_METRIC + " ")]
-    return values[0] if values else 0.0
+    return scrape_samples(live.get("/metrics").body.decode()).get(CACHED_METRIC, 0.0)
 
 
 def _wait_idle(live: Any, timeout_s: float = 30.0) -> CacheStats:

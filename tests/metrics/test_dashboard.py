@@ -58,6 +58,9 @@ def test_dashboard_covers_the_required_views():
         "himamba_cache_backup_bytes_total",  # transfer throughput
         "himamba_scheduler_waiting_requests",  # queues
         "histogram_quantile",  # latency quantiles
+        "himamba_process_resident_memory_bytes",  # per-service memory ...
+        "himamba_process_cpu_seconds_total",  # ... and CPU
+        'model_name=~\\"$model_name\\"',  # every query follows the Model variable
     ):
         assert needle in text
 
@@ -65,7 +68,10 @@ def test_dashboard_covers_the_required_views():
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
 def test_every_expression_is_valid_promql(tmp_path: Path):
     gen = _generator()
-    exprs = [e.replace("$__rate_interval", "1m").replace("$instance", ".*") for e in gen.expressions(_committed())]
+    exprs = [
+        e.replace("$__rate_interval", "1m").replace("$instance", ".*").replace("$model_name", ".*")
+        for e in gen.expressions(_committed())
+    ]
     rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"r{i}", "expr": e} for i, e in enumerate(exprs)]}]}
     path = tmp_path / "rules.json"  # promtool reads YAML, and JSON is YAML
     path.write_text(json.dumps(rules))

@@ -16,30 +16,33 @@ import zmq.asyncio
 from himamba.common.messages import MetricsReport, ToTokenizer
 from himamba.common.metrics import (
     ALL_METRICS,
+    BUILD_INFO,
     CACHE_QUERY_TOKENS,
     LABEL_VALUES,
     POOL_USED_BYTES,
+    PROCESS_METRICS,
     SERVICES,
     exported_names,
     metrics_of,
 )
+from himamba.common.metrics_exposition import merge_expositions
 from himamba.common.metrics_report import MetricsReporter, ServiceMetrics
 from himamba.common.transport import Outbox
 
 # The unit (or counted thing) each name ends with, before `_total`.
 UNITS = {"bytes", "seconds", "tokens", "requests", "ops", "hits", "slots", "in_flight", "truncations",
-         "failures", "errors", "retractions", "responses", "finished", "events",
-         "up"}  # fmt: skip  (`up`: Prometheus' name for a 1/0 reachability gauge)
+         "failures", "errors", "retractions", "responses", "finished", "events", "fds",
+         "up", "info"}  # fmt: skip  (`up`: Prometheus' 1/0 reachability gauge; `info`: a labels-only gauge)
 
 
-@pytest.mark.parametrize("defn", ALL_METRICS, ids=lambda d: d.name)
+@pytest.mark.parametrize("defn", (*ALL_METRICS, *PROCESS_METRICS, BUILD_INFO), ids=lambda d: d.name)
 def test_names_help_labels_and_buckets(defn):
     assert re.fullmatch(r"himamba_[a-z]+(_[a-z0-9]+)+", defn.name), defn.name
     base = defn.name.removesuffix("_total")
     assert (defn.type == "counter") == defn.name.endswith("_total")
     assert any(base.endswith("_" + u) for u in UNITS), f"{defn.name}: no unit at the end"
     assert defn.help and defn.help[0].isupper() and defn.help.endswith(".")
-    assert defn.service in SERVICES
+    assert defn.service in SERVICES or (defn in PROCESS_METRICS and defn.service == "every")
     for label in defn.labels:
         assert label in LABEL_VALUES
         assert set(defn.values_of(label)) <= set(LABEL_VALUES[label])
@@ -93,6 +96,9 @@ def test_a_service_registry_exports_all_its_series_at_zero(service):
         assert len([k for k in samples if k.split("{")[0] == head]) == combos, defn.name
     others = [d.name for d in ALL_METRICS if d.service != service]
     assert not [n for n in others if f"# TYPE {n} " in text]
+    for defn in PROCESS_METRICS:  # its own process, labelled with its name
+        assert f'{defn.name}{{service="{service}"}}' in samples, defn.name
+    assert "_created" not in text
 
 
 def test_metrics_are_found_by_definition_and_collect_hooks_run():
@@ -139,6 +145,7 @@ def test_reporter_sends_reports_to_the_tokenizer_inbox():
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
 def test_promtool_accepts_all_services_together():
-    text = "".join(MetricsReporter(s, None).render() for s in SERVICES)
+    # Plain concatenation would repeat the process families: the front door merges them.
+    text = merge_expositions((MetricsReporter(s, None).render() for s in SERVICES), "m")
     result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -15,20 +15,17 @@ from typing import Any
 
 import pytest
 
-from himamba.common.metrics import SERVICES, metrics_of
+from himamba.common.metrics import BUILD_INFO_LABELS, PROCESS_METRICS, SERVICES, metrics_of
+from tests.scrape import samples as scrape_samples
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE_SIZE = 16
 DEVICE_TOKENS = 1024  # a small device pool, so that distinct prompts fill it
 REPORT_INTERVAL_S = 0.2
+MODEL_NAME = 'tiny "hybrid"\\1'  # a label value that needs escaping
 
 def _samples(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return scrape_samples(text)
 
 
 def _families(text: str) -> set[str]:
@@ -43,6 +40,8 @@ def live(tmp_path_factory: pytest.TempPathFactory, start_live_server_fn: Any) ->
     server = start_live_server_fn(
         ckpt,
         tmp_path_factory.mktemp("logs"),
+        "--served-model-name",
+        MODEL_NAME,
         "--report-interval-s",
         str(REPORT_INTERVAL_S),
         "--page-size",
@@ -102,6 +101,32 @@ def test_front_door_metrics_moved(after_traffic: str):
     assert s['himamba_http_responses_total{route="completions",status="2xx"}'] == 2
     families = _families(after_traffic)
     assert {d.name for d in metrics_of("tokenizer")} <= families
+
+
+def test_every_series_names_the_model_and_none_is_created(after_traffic: str):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(after_traffic):
+        for sample in family.samples:
+            assert sample.labels.get("model_name") == MODEL_NAME, sample
+    assert not [line for line in after_traffic.splitlines() if "_created" in line]
+
+
+def test_build_info_says_what_runs(after_traffic: str):
+    (info,) = [k for k in _samples(after_traffic) if k.startswith("himamba_build_info{")]
+    assert _samples(after_traffic)[info] == 1
+    for label in BUILD_INFO_LABELS:
+        assert f"{label}=" in info
+    assert 'dtype="float32"' in info and 'page_size="16"' in info and 'device="cpu"' in info
+
+
+def test_each_service_reports_its_own_process(after_traffic: str):
+    s = _samples(after_traffic)
+    for service in SERVICES:
+        for defn in PROCESS_METRICS:
+            assert f'{defn.name}{{service="{service}"}}' in s, (defn.name, service)
+        assert s[f'himamba_process_resident_memory_bytes{{service="{service}"}}'] > 10e6
+        assert s[f'himamba_process_cpu_seconds_total{{service="{service}"}}'] > 0
 
 
 def test_no_family_is_exported_twice(after_traffic: str):

@@ -162,6 +162,7 @@ def test_services_wait_for_a_late_worker_then_serve_and_survive_its_kill(supervi
     supervised.ctl("start", "himamba:worker")
     first = supervised.wait_serving("def first(x):", timeout_s=180)
     assert first["choices"][0]["finish_reason"] == "length"
+    assert "dtype float32 (--dtype auto on cpu" in supervised.log("worker")  # what auto came to, said once
     for name in SERVICES:
         assert supervised.pid(name) > 0, supervised.ctl("status")
 

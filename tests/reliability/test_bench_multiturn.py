@@ -133,6 +133,7 @@ def test_a_short_run_against_a_running_server_writes_json(served, tiny_model, tm
     assert row["ideal_ratio"] == pytest.approx(report["workload"]["ideal_cached_ratio"])
     assert 0 < row["cached_ratio"]["total"] <= row["ideal_ratio"]
     assert report["machine"]["cores"] >= 1 and report["model"]["vocab_size"] == 2048
+    assert report["model"]["dtype"] == "float32"  # --dtype auto on cpu, as the server resolves it
     has_mpl = importlib.util.find_spec("matplotlib") is not None
     assert (out / "multiturn.png").exists() == has_mpl
     assert (report["plot"] is None) != has_mpl

@@ -46,3 +46,20 @@ def test_no_eos_anywhere_gives_an_empty_list(ckpt: Path) -> None:
 def test_missing_tokenizer_json_is_a_value_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="tokenizer.json"):
         load_tokenizer(tmp_path)
+
+
+def test_tokenizer_flag_takes_the_tokenizer_from_another_dir(tmp_path: Path, demo_tokenizer: Tokenizer) -> None:
+    """--tokenizer DIR: tokenizer.json and tokenizer_config.json from DIR, the model's own eos ids first."""
+    model, tok = tmp_path / "model", tmp_path / "tok"
+    model.mkdir()
+    tok.mkdir()
+    demo_tokenizer.save(str(tok / "tokenizer.json"))
+    _write(model / "config.json", {"vocab_size": 4096})
+    _write(tok / "tokenizer_config.json", {"eos_token": "<|user|>"})
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        load_tokenizer(model)
+    loaded = load_tokenizer(model, tok)
+    assert loaded.vocab_size == 4096
+    assert loaded.eos_token_ids == [demo_tokenizer.token_to_id("<|user|>")]
+    _write(model / "generation_config.json", {"eos_token_id": 5})
+    assert load_tokenizer(model, tok).eos_token_ids == [5]

@@ -57,3 +57,17 @@ def test_host_pools_larger_than_the_machine_are_refused_with_the_flags(monkeypat
         _plan(hicache_ratio=4.0)  # 256 pages + 128 slots = 3 MiB > 0.9 MB
     assert "available" in str(e.value)
     assert _plan(enable_hierarchical_cache=False).num_host_pages == 0  # no host tier: nothing to check
+
+
+def test_memory_fraction_of_free_or_of_total():
+    """Ours: a share of what is free after the weights. sglang's --mem-fraction-static (of total):
+    the process stays under that share of total memory, the pools get what is left under it."""
+    from himamba.common.config import CacheConfig
+    from himamba.services.worker.memory import pool_budget
+
+    gib = 1 << 30
+    assert pool_budget(CacheConfig(memory_fraction=0.25), free=60 * gib, total=80 * gib) == 15 * gib
+    total = CacheConfig(memory_fraction=0.9, memory_fraction_of="total")
+    # 80 GiB device, 20 GiB taken (weights, other processes): 72 GiB allowed, 52 GiB left for pools.
+    assert pool_budget(total, free=60 * gib, total=80 * gib) == 60 * gib - int(80 * gib * (1 - 0.9))
+    assert pool_budget(total, free=5 * gib, total=80 * gib) == 0  # already over the share: nothing

@@ -84,8 +84,9 @@ class ChatTemplate:
             raise TemplateError(f"chat template failed on these messages: {e!r}") from None
 
 
-def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
-    """The template of `model_dir/tokenizer_config.json` (or `chat_template.jinja`), or None if it has none."""
+def load_chat_template(model_dir: str | Path, override: str = "") -> ChatTemplate | None:
+    """The template of `model_dir/tokenizer_config.json` (or `chat_template.jinja`), or None if it has
+    none; `override` (`--chat-template`: a Jinja file, or the template itself) replaces it."""
     model_dir = Path(model_dir)
     config_path = model_dir / "tokenizer_config.json"
     config: dict[str, Any] = {}
@@ -100,6 +101,9 @@ def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
     jinja_file = model_dir / "chat_template.jinja"
     if not isinstance(source, str) and jinja_file.is_file():
         source = jinja_file.read_text(encoding="utf-8")
+    if override:
+        is_inline = "{{" in override or "{%" in override
+        source = override if is_inline else Path(override).read_text(encoding="utf-8")
     if not isinstance(source, str) or not source:
         return None
     special = {k: t for k in _SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}

@@ -50,6 +50,8 @@ _ROUTES = {
 _KNOWN_STATUS = {400, 404, 409, 500, 503}
 _BYTES_PER_CONTEXT_TOKEN = 64  # body size limit: generous for text or JSON token ids of a full context
 _SHUTDOWN_TIMEOUT_S = 2.0
+# --access-log: client, request line, status, bytes, seconds, user agent (the log line has the time).
+_ACCESS_FORMAT = '%a "%r" %s %b %Tfs "%{User-Agent}i"'
 
 
 class FrontDoor(Protocol):
@@ -108,8 +110,11 @@ class HttpServer:
     async def start(self) -> str:
         """Bind and serve; returns the base URL."""
         # handler_cancellation: a client that goes away cancels its handler, which aborts the request.
+        access: dict[str, Any] = {"access_log": None}
+        if self.cfg.access_log:  # --access-log: one line per request, in the tokenizer's log
+            access = {"access_log": logging.getLogger("himamba.tokenizer.access"), "access_log_format": _ACCESS_FORMAT}
         self._runner = web.AppRunner(
-            self.app, handler_cancellation=True, shutdown_timeout=_SHUTDOWN_TIMEOUT_S, access_log=None
+            self.app, handler_cancellation=True, shutdown_timeout=_SHUTDOWN_TIMEOUT_S, **access
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
