@@ -180,6 +180,7 @@ def _run_case(case: ScaleCase, work: Path, forward_s: float, steps: int) -> Scal
     model_dir = work / "stand-in-model"  # the services only check that a checkpoint is named
     model_dir.mkdir(exist_ok=True)
     (model_dir / "config.json").write_text("{}")
+    (model_dir / "tokenizer.json").write_text("{}")
     cfg_path = work / f"{case.key}.json"
     cfg_path.write_bytes(encode(_config(endpoints, case, str(model_dir))))
     ctx = zmq.Context()
