@@ -45,8 +45,10 @@ from himamba.services.bench.arrivals import Arrivals
 from himamba.services.bench.latency_summary import RunSummary, add_ratios_vs_none, summarize
 from himamba.services.bench.model_info import describe_model
 from himamba.services.bench.multiturn_driver import run_multiturn
-from himamba.services.bench.multiturn_report import format_tables, goal_lines, plot
+from himamba.services.bench.latency_summary import LATE_ROUND
+from himamba.services.bench.multiturn_report import format_tables, goal_lines, limit_lines, plot
 from himamba.services.bench.servers import ServerProcess, himamba_command, start_server
+from himamba.services.bench.ttft_limit import measure_ttft_limit
 from himamba.services.bench.workload import WorkloadSpec, ordinary_token_ids
 
 CONFIGS = ("none", "device", "host", "storage")
@@ -299,6 +301,16 @@ def main(argv: list[str] | None = None) -> int:
     goals = goal_lines(rows)
     for line in goals:
         print(line)
+    limit = None
+    limits: list[str] = []
+    if args.device == "cpu":
+        _log("measuring the limit of caching (the worker prefilling only a later turn's new tokens)")
+        limit = measure_ttft_limit(model_dir, dtype, args.torch_threads, spec, LATE_ROUND)
+        limits = limit_lines(rows, limit.seconds, limit.new_tokens)
+    else:
+        notes.append("the limit of caching is measured on CPU only (the bench's engine has no CUDA path)")
+    for line in limits:
+        print(line)
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     title = f"himamba bench multiturn\n{machine.line()}\n{model.line()}"
@@ -325,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         "skipped": skipped,
         "results": [r.to_json() for r in rows],
         "goal": goals,
+        "ttft_limit": {**limit._asdict(), "lines": limits} if limit is not None else None,
         "plot": "multiturn.png" if outcome.written else None,
         "notes": notes,
     }

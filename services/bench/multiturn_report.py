@@ -85,6 +85,22 @@ def goal_lines(rows: Sequence[RunSummary], min_context: int = 2048) -> list[str]
     return out
 
 
+def limit_lines(rows: Sequence[RunSummary], limit_s: float, new_tokens: int) -> list[str]:
+    """Later-turn TTFT against the limit of caching (the worker prefilling only a turn's new
+    tokens), per configuration; the goal is <= 1.25x."""
+    out = [f"limit of caching: the worker prefills a later turn's {new_tokens} new tokens in {limit_s * 1e3:.1f} ms"]
+    for r in rows:
+        if r.late_ttft_p50_s is None:
+            continue
+        ratio = r.late_ttft_p50_s / limit_s
+        verdict = "met" if ratio <= 1.25 else "NOT met"
+        out.append(
+            f"{r.config} @ {_rate(r.request_rate)}: t3+ TTFT p50 {r.late_ttft_p50_s * 1e3:.1f} ms = {ratio:.2f}x the limit "
+            f"({verdict}, <= 1.25x)"
+        )
+    return out
+
+
 def plot(path: Path, rows: Sequence[RunSummary], title: str) -> PlotOutcome:
     """TTFT and throughput per configuration: against the request rate when several rates were
     run (a sweep), else as bars. Needs matplotlib (the `bench` extra)."""

@@ -13,7 +13,8 @@ import pytest
 from himamba.services.bench.arrivals import Arrivals
 from himamba.services.bench.latency_summary import RequestRecord, add_ratios_vs_none, percentile, summarize
 from himamba.services.bench.multiturn import main
-from himamba.services.bench.multiturn_report import format_tables, goal_lines
+from himamba.services.bench.multiturn_report import format_tables, goal_lines, limit_lines
+from himamba.services.bench.ttft_limit import later_prefix_lens
 from himamba.services.bench.workload import WorkloadSpec, conversations, ordinary_token_ids
 
 
@@ -117,6 +118,15 @@ def test_ratios_against_none_and_the_goal_lines():
     assert "host" in table and "8.00x" in table
     (line,) = goal_lines([none, host])
     assert "8.00x" in line and "met" in line and "NOT" not in line
+    head, *rows = limit_lines([none, host], limit_s=0.4, new_tokens=256)
+    assert "256 new tokens in 400.0 ms" in head
+    assert rows[0].startswith("none @") and "10.00x the limit (NOT met" in rows[0]
+    assert rows[1].startswith("host @") and "1.25x the limit (met" in rows[1]
+
+
+def test_the_limit_is_measured_over_each_later_rounds_history():
+    spec = WorkloadSpec(num_clients=2, num_rounds=6, request_length=256, sub_question_length=100, output_length=32, seed=0)
+    assert later_prefix_lens(spec, 3) == [256 + 3 * 132 - 100, 256 + 4 * 132 - 100, 256 + 5 * 132 - 100]
 
 
 def test_a_short_run_against_a_running_server_writes_json(served, tiny_model, tmp_path, capsys):
@@ -127,6 +137,7 @@ def test_a_short_run_against_a_running_server_writes_json(served, tiny_model, tm
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "machine:" in printed and "model:" in printed and "external" in printed
+    assert "limit of caching" in printed and "external @" in printed
     report = json.loads((out / "multiturn.json").read_text())
     (row,) = report["results"]
     assert row["num_requests"] == 9 and row["num_failed"] == 0
@@ -134,6 +145,7 @@ def test_a_short_run_against_a_running_server_writes_json(served, tiny_model, tm
     assert 0 < row["cached_ratio"]["total"] <= row["ideal_ratio"]
     assert report["machine"]["cores"] >= 1 and report["model"]["vocab_size"] == 2048
     assert report["model"]["dtype"] == "float32"  # --dtype auto on cpu, as the server resolves it
+    assert report["ttft_limit"]["seconds"] > 0 and report["ttft_limit"]["new_tokens"] == 40
     has_mpl = importlib.util.find_spec("matplotlib") is not None
     assert (out / "multiturn.png").exists() == has_mpl
     assert (report["plot"] is None) != has_mpl
