@@ -459,7 +459,9 @@ class CacheController:
         tokens = tokens[: n_pages * self.page_size]
         if slot is not None:
             req.slots.remove(slot)
-        res = self.tree.insert(tokens, req.pages[:n_pages], slot, locked_prefix_len=req.num_shared * self.page_size)
+        # A prefix shorter than what the request shares with the tree is all the tree's own pages.
+        shared = min(req.num_shared, n_pages) * self.page_size
+        res = self.tree.insert(tokens, req.pages[:n_pages], slot, locked_prefix_len=shared)
         self._order_backups(res.backups)
         return res
 

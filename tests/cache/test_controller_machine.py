@@ -164,6 +164,16 @@ class ControllerMachine(RuleBasedStateMachine):
         assert res.ok, res.error
         req.slots.remove(slot)
 
+    @precondition(lambda self: any(len(r.tokens) >= PS for r in self.running.values()))
+    @rule(data=st.data(), pages=st.integers(1, 4))
+    def insert_prefix(self, data: st.DataObject, pages: int) -> None:
+        """A prefix of any length (shorter than the hit the request shares with the tree, too)."""
+        rid = data.draw(st.sampled_from(sorted(r for r, v in self.running.items() if len(v.tokens) >= PS)))
+        req = self.running[rid]
+        n = min(pages, len(req.tokens) // PS) * PS
+        res = self._apply(Insert(rid=rid, tokens=req.tokens[:n], slot=None))
+        assert res.ok, res.error
+
     @precondition(lambda self: self.running)
     @rule(data=st.data(), more=st.integers(1, 5))
     def extend(self, data: st.DataObject, more: int) -> None:
