@@ -478,12 +478,14 @@ class CacheController:
         n = len(res.pages)
         req.pages[:n] = res.pages
         # The request now relies on the inserted node's KV. Its own state is in its working slot, so
-        # the donated state is not locked: it can be evicted like any other cached state.
-        new_receipt = self.tree.lock(res.node, state=False)
-        if req.receipt is not None:
-            self.tree.unlock(req.receipt)
-        req.receipt = new_receipt
-        req.num_shared = max(req.num_shared, n)
+        # the donated state is not locked: it can be evicted like any other cached state. A prefix
+        # shorter than what it already holds locked is inside that lock: the lock stays where it is.
+        if n >= req.num_shared:
+            new_receipt = self.tree.lock(res.node, state=False)
+            if req.receipt is not None:
+                self.tree.unlock(req.receipt)
+            req.receipt = new_receipt
+            req.num_shared = n
         return Inserted(rid=op.rid, pages=list(res.pages), slot_used=res.state_used)
 
     def release(self, op: Release) -> Released:
