@@ -142,8 +142,9 @@ class StandInWorker(threading.Thread):
             while time.perf_counter() < deadline:  # the "forward" (a sleep would oversleep)
                 pass
         done = BatchDone(batch_id=msg.batch_id, next_tokens=[1] * len(msg.seqs))
-        self._send("scheduler", done)
+        # Stamped before the send: a stand-in thread preempted after sending would shorten the gap.
         self.last_done_at = time.perf_counter() if full_decode else None
+        self._send("scheduler", done)
         if msg.transfers:
             self._send("cache", TransfersDone(op_ids=[t.op_id for t in msg.transfers]))
 

@@ -347,8 +347,11 @@ class SchedulerService(Actor[ToScheduler]):
 
     async def _send_batch(self, plan: BatchPlan) -> Reply[BatchDone]:
         caps: dict[str, list[captures.Capture]] = {}
+        decode, interval = plan.mode == "decode", self.interval
         for req, n in plan.items:
-            found = captures.captures_for(req, plan.mode, n, self.strategy, self.interval, self.page_size)
+            if decode and not req.pending_captures and (req.computed_len + 1) % interval:
+                continue  # the common decode step captures nothing
+            found = captures.captures_for(req, plan.mode, n, self.strategy, interval, self.page_size)
             if found:
                 caps[req.rid] = found
         batch_id = self.trips.next_id()
