@@ -133,7 +133,7 @@ def test_full_store_costs_hits_not_answers(
     )
     try:
         hits = []
-        for round_ in range(8):  # until the store has been full (bounded)
+        for round_ in range(12):  # until the store has been full (bounded)
             convs = Conversations(16, seed=20 + round_, first=400)
             hits.append(_two_turns(server.endpoint, port, convs, reference_tokens))
             if _was_full(store, port):
