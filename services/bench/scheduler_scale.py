@@ -217,11 +217,11 @@ def _run_case(case: ScaleCase, work: Path, forward_s: float, steps: int) -> Scal
         worker.measuring.set()
         _wait(lambda: worker.decode_steps >= first + steps, procs, f"{case.key}: decode")
         worker.measuring.clear()
-        for i in range(case.running):  # done: end them (they would decode up to max_tokens)
-            push.send_multipart(encode_msg(AbortRequest(rid=f"r{i}")))
         n = worker.decode_steps - first
         sched_cpu = (_cpu_s(procs["scheduler"].pid) - sched_cpu0) / n
         cache_cpu = (_cpu_s(procs["cache"].pid) - cache_cpu0) / n
+        for i in range(case.running):  # done: end them (they would decode up to max_tokens)
+            push.send_multipart(encode_msg(AbortRequest(rid=f"r{i}")))
         serial = statistics.median(worker.gaps)
         return ScaleResult(
             case=case.key,
