@@ -72,7 +72,7 @@ def _nodes(root):
         stack.extend(n.children.values())
 
 
-class ControllerMachine(RuleBasedStateMachine):
+class AdmissionMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.running: dict[str, Running] = {}
@@ -258,7 +258,7 @@ class ControllerMachine(RuleBasedStateMachine):
             assert set(self.c.reserved) == self.reserved
 
 
-TestControllerMachine = ControllerMachine.TestCase
-TestControllerMachine.settings = settings(
+TestAdmissionMachine = AdmissionMachine.TestCase
+TestAdmissionMachine.settings = settings(
     max_examples=EXAMPLES, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
 )
