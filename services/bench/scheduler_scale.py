@@ -43,7 +43,8 @@ from himamba.common.messages import (
 )
 from himamba.common.report_files import write_json
 from himamba.common.types import SamplingParams
-from himamba.common.wire import Decoder, encode as encode_msg
+from himamba.common.wire import Decoder
+from himamba.common.wire import encode as encode_msg
 from himamba.services.bench.servers import himamba_command, unique_endpoints
 
 PAGE = 16
@@ -64,7 +65,13 @@ class ScaleCase(NamedTuple):
         return f"{self.running}x{self.context}" + ("-penalty" if self.penalised else "")
 
 
-CASES = (ScaleCase(32, 2048), ScaleCase(32, 32768), ScaleCase(256, 2048), ScaleCase(256, 32768), ScaleCase(256, 2048, True))
+CASES = (
+    ScaleCase(32, 2048),
+    ScaleCase(32, 32768),
+    ScaleCase(256, 2048),
+    ScaleCase(256, 32768),
+    ScaleCase(256, 2048, True),
+)
 
 
 class ScaleResult(NamedTuple):
@@ -191,13 +198,12 @@ def _run_case(case: ScaleCase, work: Path, forward_s: float, steps: int) -> Scal
     tokenizer.bind(endpoints["tokenizer_ipc"])
     worker = StandInWorker(endpoints, info, forward_s, case.running)
     worker.start()
-    procs = {
-        name: subprocess.Popen(
-            [*himamba_command(), "service", name, "--config", str(cfg_path)],
-            stdout=open(work / f"{case.key}-{name}.log", "wb"), stderr=subprocess.STDOUT,
-        )
-        for name in ("cache", "scheduler")
-    }  # fmt: skip
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    for name in ("cache", "scheduler"):
+        with open(work / f"{case.key}-{name}.log", "wb") as log:  # the child keeps its own descriptor
+            procs[name] = subprocess.Popen(
+                [*himamba_command(), "service", name, "--config", str(cfg_path)], stdout=log, stderr=subprocess.STDOUT
+            )
     try:
         _wait_ready(control, {"cache", "scheduler"}, procs)
         push = ctx.socket(zmq.PUSH)

@@ -38,7 +38,15 @@ from himamba.common.messages import (
 )
 from himamba.common.types import CachedTokens
 from himamba.services.cache.allocator import PageAllocator, SlotAllocator
-from himamba.services.cache.radix_tree import BackupOp, InsertResult, LoadOp, LockReceipt, MatchResult, RadixTree, TreeNode
+from himamba.services.cache.radix_tree import (
+    BackupOp,
+    InsertResult,
+    LoadOp,
+    LockReceipt,
+    MatchResult,
+    RadixTree,
+    TreeNode,
+)
 from himamba.services.cache.storage.io_workers import StorageIO
 from himamba.services.cache.storage_tier import StorageTier
 
@@ -148,14 +156,28 @@ class CacheController:
         for op in ops:
             self.pending[op.op_id] = op
             self._transfers.append(
-                Transfer(op.op_id, "d2h", list(op.device_pages), list(op.host_pages), list(op.device_states), list(op.host_states))
+                Transfer(
+                    op.op_id,
+                    "d2h",
+                    list(op.device_pages),
+                    list(op.host_pages),
+                    list(op.device_states),
+                    list(op.host_states),
+                )
             )
 
     def _order_load(self, op: LoadOp) -> None:
         self._order_backups(op.backups)  # room was made by write_back evictions: copy those first
         self.pending[op.op_id] = op
         self._transfers.append(
-            Transfer(op.op_id, "h2d", list(op.host_pages), list(op.device_pages), list(op.host_states), list(op.device_states))
+            Transfer(
+                op.op_id,
+                "h2d",
+                list(op.host_pages),
+                list(op.device_pages),
+                list(op.host_states),
+                list(op.device_states),
+            )
         )
 
     def take_transfers(self) -> list[Transfer]:

@@ -141,10 +141,16 @@ class CacheClient:
                 break
             if req.prefetching or self._held(req, requests):
                 continue
-            reserve = [r for r in req.siblings if (s := requests.get(r)) is not None and s.status == "waiting" and not s.reserved]
+            reserve = [
+                r
+                for r in req.siblings
+                if (s := requests.get(r)) is not None and s.status == "waiting" and not s.reserved
+            ]
             if reserve:
                 self._reserving[req.rid] = reserve
-            ops.append(Admit(rid=req.rid, tokens=req.context, num_slots=num_slots, use_cache=self.use_cache, reserve=reserve))
+            ops.append(
+                Admit(rid=req.rid, tokens=req.context, num_slots=num_slots, use_cache=self.use_cache, reserve=reserve)
+            )
         return ops
 
     @staticmethod
@@ -202,7 +208,8 @@ class CacheClient:
         self.m[SCHEDULER_LAZY_ALLOC_FAILURES].inc()
         self.log.info(
             "%s: no slot for its lazy track buffer at this boundary; keeping the state tracked at %d",
-            req.rid, req.last_track_len,
+            req.rid,
+            req.last_track_len,
         )
 
     # ------------------------------------------------------------ results

@@ -27,7 +27,9 @@ class Capture(NamedTuple):
     slot: int
 
 
-def captures_for(req: Req, mode: str, n: int, strategy: mamba_track.Strategy, interval: int, page_size: int) -> list[Capture]:
+def captures_for(
+    req: Req, mode: str, n: int, strategy: mamba_track.Strategy, interval: int, page_size: int
+) -> list[Capture]:
     """Every state this step (`n` new tokens of `req`) must capture."""
     start = req.computed_len
     if mode == "decode" and not req.pending_captures and (start + 1) % interval:

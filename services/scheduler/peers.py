@@ -65,7 +65,11 @@ class Peers:
         sc = self.cfg.scheduler
         self.log.info(
             "worker ready: vocab %d, %d pages, %d state slots; strategy %s, track interval %d, overlap %s",
-            info.vocab_size, info.num_pages, info.num_state_slots, self.strategy, sc.mamba_track_interval,
+            info.vocab_size,
+            info.num_pages,
+            info.num_state_slots,
+            self.strategy,
+            sc.mamba_track_interval,
             not sc.disable_overlap,
         )
 

@@ -96,7 +96,9 @@ class SchedulerService(Actor[ToScheduler]):
             metrics=self.m,
             log=self.log,
         )
-        self.peers = Peers(cfg, self.cache.outbox, self.strategy, self.log, on_lost=self._on_peer_lost, on_fatal=self._fatal)
+        self.peers = Peers(
+            cfg, self.cache.outbox, self.strategy, self.log, on_lost=self._on_peer_lost, on_fatal=self._fatal
+        )
         self.requests: dict[str, Req] = {}
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -161,7 +163,9 @@ class SchedulerService(Actor[ToScheduler]):
         self.cache.memory_changed()
         if why == "cache_started":
             # A new controller: greet it; prefetches start again there.
-            self.cache.pending_ops = [Prefetch(rid=r.rid, tokens=r.prompt_ids) for r in self.waiting] if self._prefetches() else []
+            self.cache.pending_ops = (
+                [Prefetch(rid=r.rid, tokens=r.prompt_ids) for r in self.waiting] if self._prefetches() else []
+            )
         else:
             # Give back whatever a racing Admit got from a controller that has already reset
             # (releasing a request the controller does not know is a no-op).
@@ -341,7 +345,9 @@ class SchedulerService(Actor[ToScheduler]):
 
     async def _run_transfers_only(self) -> None:
         batch_id = self.trips.next_id()
-        msg = RunBatch(batch_id=batch_id, mode="none", seqs=[], transfers=self.cache.pending_transfers, dropped=self._dropped)
+        msg = RunBatch(
+            batch_id=batch_id, mode="none", seqs=[], transfers=self.cache.pending_transfers, dropped=self._dropped
+        )
         self.cache.pending_transfers, self._dropped = [], []
         await (await self.trips.call(self.worker, msg, batch_id, BatchDone)).wait()
 
@@ -421,7 +427,9 @@ class SchedulerService(Actor[ToScheduler]):
             if req is not None and req.status != "finished":
                 self._finish(req, "abort" if req.abort_requested else "stop", outs)
 
-    def _finish(self, req: Req, reason: FinishReason, outs: list[TokenOut], emitted: bool = False, error: str = "") -> None:
+    def _finish(
+        self, req: Req, reason: FinishReason, outs: list[TokenOut], emitted: bool = False, error: str = ""
+    ) -> None:
         if req.status == "running":
             self.running.remove(req)
             self.cache.queue(self.cache.release_op(req, reason))
@@ -450,4 +458,3 @@ class SchedulerService(Actor[ToScheduler]):
         del self.requests[req.rid]
         self.cache.prefetch_done.discard(req.rid)
         self.wake.set()
-

@@ -58,7 +58,9 @@ def test_each_handler_returns_its_result_type_whether_the_op_succeeds_or_not(op_
     ctrl = _ctrl()
     admitted = ctrl.apply(Admit(rid="a", tokens=TOKENS, num_slots=2))
     assert type(admitted) is RESULT_OF[Admit] and admitted.ok
-    ok_op = Admit(rid="b", tokens=TOKENS, num_slots=1) if op_type is Admit else _ops_for("a", admitted.slots[1])[op_type]
+    ok_op = (
+        Admit(rid="b", tokens=TOKENS, num_slots=1) if op_type is Admit else _ops_for("a", admitted.slots[1])[op_type]
+    )
     res = ctrl.apply(ok_op)
     assert type(res) is RESULT_OF[op_type] and res.rid == ok_op.rid
     # The same op for a request the controller does not know: still its own result type.
