@@ -254,6 +254,46 @@ def _run_case(case: ScaleCase, work: Path, forward_s: float, steps: int) -> Scal
         ctx.destroy(linger=0)
 
 
+_ECHO = """
+import sys, zmq
+ctx = zmq.Context()
+inbox, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+inbox.bind(sys.argv[1]); out.connect(sys.argv[2])
+while True:
+    frames = inbox.recv_multipart(copy=False)
+    if frames[0].bytes == b"stop":
+        break
+    out.send_multipart(frames, copy=False)
+"""
+
+
+def transport_floor_ms(rounds: int = 400) -> float:
+    """Median wall time of a bare ZeroMQ ipc round trip to another process that answers at once:
+    the part of a step's serial time that is the four-process design's messaging, not scheduling."""
+    tag = unique_endpoints("himamba-echo")
+    there, back = tag["worker_ipc"], tag["scheduler_ipc"]
+    echo = subprocess.Popen([sys.executable, "-c", _ECHO, there, back])
+    ctx = zmq.Context()
+    inbox, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.bind(back)
+    out.connect(there)
+    try:
+        payload = b"x" * 1024
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            out.send(payload)
+            if not inbox.poll(5000):
+                raise TimeoutError("the echo process did not answer")
+            inbox.recv()
+            times.append(time.perf_counter() - t0)
+        return round(statistics.median(times[rounds // 4 :]) * 1e3, 3)
+    finally:
+        out.send(b"stop")
+        echo.wait(timeout=10)
+        ctx.destroy(linger=0)
+
+
 def _wait_ready(control: zmq.Socket, names: set[str], procs: dict[str, subprocess.Popen[bytes]]) -> None:
     decoder = msgspec.msgpack.Decoder(Ready)
     left = set(names)
@@ -311,6 +351,8 @@ def run_scale(out_dir: Path, forward_ms: float, steps: int, cases: tuple[ScaleCa
         f"page {PAGE}, radix cache on, default strategy",
         flush=True,
     )
+    floor = transport_floor_ms()
+    print(f"transport floor: a bare ZeroMQ ipc round trip to a process that answers at once takes {floor} ms", flush=True)
     rows: list[ScaleResult] = []
     with tempfile.TemporaryDirectory(prefix="himamba-scale-") as tmp:
         for case in cases:
@@ -323,6 +365,7 @@ def run_scale(out_dir: Path, forward_ms: float, steps: int, cases: tuple[ScaleCa
         "benchmark": "scheduler_scale",
         "machine": machine._asdict(),
         "workload": {"forward_ms": forward_ms, "steps": steps, "page_size": PAGE},
+        "transport_floor_ms": floor,
         "rows": [r._asdict() for r in rows],
         "serial_ms_per_step": {r.case: r.serial_ms_per_step for r in rows},
         "printed": table,
