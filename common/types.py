@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -10,6 +11,15 @@ import msgspec
 Tier = Literal["device", "host", "storage"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 MAX_SAMPLES = 16  # the most samples (`n`) one request may ask for
+# Below this a temperature divides logits into infinities (softmax then gives NaN): 0 is greedy.
+MIN_TEMPERATURE = 1e-5
+# A penalty divides or multiplies logits: outside this range it overflows them the same way.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_TOP_K = 2**31 - 1
+# Stop strings are matched on every streamed token: their number and size are bounded so a
+# request cannot make the front door's per-token work large (matching is O(longest stop)).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096  # all stop strings together
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**63 - MAX_SAMPLES
 
@@ -33,19 +43,25 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     logprobs: bool = False
 
     def validate(self, max_context_len: int) -> None:
-        """Raise ValueError naming the first field that is out of range."""
+        """Raise ValueError naming the first field that is out of range: every accepted value
+        samples (no infinity or NaN can come out of the sampler's arithmetic)."""
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
         if self.max_tokens is not None and not (1 <= self.max_tokens <= max_context_len):
             raise ValueError(f"max_tokens must be in [1, {max_context_len}], got {self.max_tokens}")
-        if not (0.0 <= self.temperature <= 100.0):
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= 100.0):
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100], got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (0 <= self.top_k <= MAX_TOP_K):
+            raise ValueError(f"top_k must be in [0, {MAX_TOP_K}], got {self.top_k}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not (low <= self.repetition_penalty <= high):
+            raise ValueError(f"repetition_penalty must be in [{low}, {high}], got {self.repetition_penalty}")
         if not (-2.0 <= self.frequency_penalty <= 2.0):
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if not (-2.0 <= self.presence_penalty <= 2.0):
@@ -55,8 +71,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError(f"seed must be in [{_SEED_MIN}, {_SEED_MAX}], got {self.seed}")
         if not (1 <= self.n <= MAX_SAMPLES):
             raise ValueError(f"n must be in [1, {MAX_SAMPLES}], got {self.n}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if sum(len(s) for s in self.stop) > MAX_STOP_CHARS:
+            raise ValueError(f"stop: the stop strings may hold {MAX_STOP_CHARS} characters in all")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if len(self.stop_token_ids) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_STRINGS} ids, got {len(self.stop_token_ids)}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be >= 0")
 

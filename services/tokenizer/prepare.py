@@ -9,6 +9,11 @@ from tokenizers import Tokenizer
 from himamba.common.messages import GenerateRequest
 
 
+# A prompt longer than this many characters per context token is refused before it is tokenized
+# (tokenizing runs on the front door's event loop): no tokenizer packs more into a token.
+MAX_CHARS_PER_TOKEN = 32
+
+
 class PreparedRequest(NamedTuple):
     """A request that passed every check."""
 
@@ -30,6 +35,11 @@ def prepare_request(req: GenerateRequest, tokenizer: Tokenizer, limits: RequestL
     if req.prompt is not None:
         if not req.prompt:
             raise ValueError("prompt must be non-empty")
+        if len(req.prompt) > MAX_CHARS_PER_TOKEN * limits.max_context_len:
+            raise ValueError(
+                f"prompt has {len(req.prompt)} characters: more than max_context_len {limits.max_context_len} "
+                f"tokens can hold ({MAX_CHARS_PER_TOKEN} characters per token at most)"
+            )
         # add_special_tokens=True applies the tokenizer's post-processor (e.g. a BOS) when it has one.
         input_ids = tokenizer.encode(req.prompt, add_special_tokens=True).ids
         if not input_ids:
@@ -39,6 +49,10 @@ def prepare_request(req: GenerateRequest, tokenizer: Tokenizer, limits: RequestL
         input_ids = list(req.input_ids)
         if not input_ids:
             raise ValueError("input_ids must be non-empty")
+        if len(input_ids) + 1 > limits.max_context_len:  # before looking at each id
+            raise ValueError(
+                f"prompt has {len(input_ids)} tokens; max_context_len {limits.max_context_len} leaves no room to generate"
+            )
         for i, t in enumerate(input_ids):
             if not (0 <= t < limits.vocab_size):
                 raise ValueError(f"input_ids[{i}] = {t} is out of range [0, {limits.vocab_size})")

@@ -45,6 +45,22 @@ def test_max_tokens_is_capped_by_the_room_left(demo_tokenizer: Tokenizer) -> Non
         (GenerateRequest(prompt="a", sampling=SamplingParams(n=0)), "n must be in [1, 16]"),
         (GenerateRequest(prompt="a", sampling=SamplingParams(n=17)), "n must be in [1, 16]"),
         (GenerateRequest(prompt="a", sampling=SamplingParams(seed=2**63 - 1)), "seed must be in"),
+        # Values that pass a plain range check but make sampling raise (or overflow the wire).
+        (GenerateRequest(prompt="a", sampling=SamplingParams(temperature=1e-40)), "temperature"),
+        (GenerateRequest(prompt="a", sampling=SamplingParams(repetition_penalty=1e-40)), "repetition_penalty"),
+        (GenerateRequest(prompt="a", sampling=SamplingParams(repetition_penalty=float("nan"))), "repetition_penalty"),
+        (GenerateRequest(prompt="a", sampling=SamplingParams(repetition_penalty=float("inf"))), "repetition_penalty"),
+        (GenerateRequest(prompt="a", sampling=SamplingParams(temperature=float("inf"))), "temperature"),
+        (GenerateRequest(prompt="a", sampling=SamplingParams(top_p=float("nan"))), "top_p"),
+        (GenerateRequest(prompt="a", sampling=SamplingParams(min_p=float("nan"))), "min_p"),
+        (GenerateRequest(prompt="a", sampling=SamplingParams(presence_penalty=float("-inf"))), "presence_penalty"),
+        (GenerateRequest(prompt="a", sampling=SamplingParams(top_k=2**70)), "top_k"),
+        (GenerateRequest(prompt="a", sampling=SamplingParams(stop=["x"] * 65)), "stop"),
+        (GenerateRequest(prompt="a", sampling=SamplingParams(stop=["x" * 2049, "y" * 2048])), "stop"),
+        (GenerateRequest(prompt="a", sampling=SamplingParams(stop_token_ids=[1] * 65)), "stop_token_ids"),
+        # Length is checked before the prompt is tokenized or its ids looked at.
+        (GenerateRequest(prompt="a" * 3201), "prompt has 3201 characters"),
+        (GenerateRequest(input_ids=[-1] * 100), "max_context_len 100"),
     ],
 )
 def test_bad_requests_raise_value_error_naming_the_field(
