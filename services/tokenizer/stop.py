@@ -8,6 +8,10 @@ When several stop strings occur, the one that is *completed first* wins, as it w
 text arrived one character at a time (generation halts at that point); among those completed at
 the same character, the one that starts earliest. So the result never depends on how the text
 was split into deltas. The stop string itself is not part of the output (OpenAI semantics).
+
+Matching is an Aho-Corasick automaton over characters, built once per request: each new
+character costs O(1) amortised whatever the number of stop strings, and the automaton's state
+is exactly the held suffix (the longest suffix of the text that is a prefix of a stop string).
 """
 
 from __future__ import annotations
@@ -22,14 +26,53 @@ class StopResult(NamedTuple):
     stopped: bool
 
 
+class _Automaton:
+    """Aho-Corasick over the stop strings: `goto` per state, failure links, and for each state
+    the longest stop string that ends there (0: none)."""
+
+    def __init__(self, stops: list[str]):
+        self.goto: list[dict[str, int]] = [{}]
+        self.depth = [0]
+        self.fail = [0]
+        self.ends = [0]  # length of the longest stop string ending at this state
+        for s in stops:
+            state = 0
+            for ch in s:
+                nxt = self.goto[state].get(ch)
+                if nxt is None:
+                    nxt = len(self.goto)
+                    self.goto.append({})
+                    self.depth.append(self.depth[state] + 1)
+                    self.fail.append(0)
+                    self.ends.append(0)
+                    self.goto[state][ch] = nxt
+                state = nxt
+            self.ends[state] = max(self.ends[state], len(s))
+        queue = list(self.goto[0].values())
+        for state in queue:  # breadth first: a state's failure target is shallower, so done
+            for ch, nxt in self.goto[state].items():
+                f = self.fail[state]
+                while f and ch not in self.goto[f]:
+                    f = self.fail[f]
+                target = self.goto[f].get(ch, 0)
+                self.fail[nxt] = target if target != nxt else 0
+                self.ends[nxt] = max(self.ends[nxt], self.ends[self.fail[nxt]])
+                queue.append(nxt)
+
+    def step(self, state: int, ch: str) -> int:
+        while state and ch not in self.goto[state]:
+            state = self.fail[state]
+        return self.goto[state].get(ch, 0)
+
+
 class StopMatcher:
     """Feed text deltas; get back the safe-to-stream text. Empty `stops` passes text through."""
 
     def __init__(self, stops: list[str]):
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
-        self._stops = sorted(set(stops))
-        self._max_hold = max((len(s) for s in self._stops), default=1) - 1
+        self._auto = _Automaton(sorted(set(stops))) if stops else None
+        self._state = 0
         self._held = ""
         self._stopped = False
 
@@ -41,37 +84,27 @@ class StopMatcher:
         """Add `delta`; return the text that can be streamed and whether a stop string completed."""
         if self._stopped:
             return StopResult("", True)
-        if not self._stops:
+        auto = self._auto
+        if auto is None:
             return StopResult(delta, False)
         text = self._held + delta
-        cut = self._first_match(text)
-        if cut is not None:
-            self._held = ""
-            self._stopped = True
-            return StopResult(text[:cut], True)
-        hold = self._longest_partial_suffix(text)
+        state = self._state
+        base = len(self._held)
+        for i, ch in enumerate(delta):
+            state = auto.step(state, ch)
+            if auto.ends[state]:
+                # The first match to complete; the longest one ending here starts earliest.
+                end = base + i + 1
+                self._held = ""
+                self._stopped = True
+                return StopResult(text[: end - auto.ends[state]], True)
+        self._state = state
+        hold = auto.depth[state]
         self._held = text[len(text) - hold :] if hold else ""
         return StopResult(text[: len(text) - hold], False)
 
     def flush(self) -> str:
         """The held-back text, released at the end of the stream (nothing after a stop)."""
         held, self._held = self._held, ""
+        self._state = 0
         return "" if self._stopped else held
-
-    def _first_match(self, text: str) -> int | None:
-        """Start of the match that ends first (ties: earliest start), or None."""
-        best: tuple[int, int] | None = None  # (end, start)
-        for s in self._stops:
-            start = text.find(s)
-            if start >= 0:
-                key = (start + len(s), start)
-                if best is None or key < best:
-                    best = key
-        return None if best is None else best[1]
-
-    def _longest_partial_suffix(self, text: str) -> int:
-        for n in range(min(self._max_hold, len(text)), 0, -1):
-            tail = text[len(text) - n :]
-            if any(s.startswith(tail) for s in self._stops):
-                return n
-        return 0
