@@ -10,7 +10,7 @@ README.md; internal messages may change between versions.
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 import msgspec
 
@@ -32,11 +32,14 @@ class TensorRef(msgspec.Struct, frozen=True, array_like=True):
 
 # ---------------------------------------------------------------- client <-> tokenizer (public)
 
+MAX_RID_CHARS = 256  # a client's request id: the front door keeps it for the request's life
+ClientRid = Annotated[str, msgspec.Meta(max_length=MAX_RID_CHARS)]
+
 
 class GenerateRequest(Message):
     """A client asks for a completion of `prompt` (text) or `input_ids` (token ids)."""
 
-    rid: str = ""  # chosen by the client (unique per connection); empty: the server picks one
+    rid: ClientRid = ""  # chosen by the client (unique per connection); empty: the server picks one
     prompt: str | None = None
     input_ids: list[int] | None = None
     sampling: SamplingParams = SamplingParams()
@@ -46,7 +49,7 @@ class GenerateRequest(Message):
 class AbortGenerate(Message):
     """A client gives up on a request; its resources are freed everywhere."""
 
-    rid: str
+    rid: ClientRid
 
 
 class GenerateChunk(Message):
@@ -197,7 +200,8 @@ class BatchDone(Message):
     logprobs: list[float] | None = None
     forward_s: float = 0.0
     logits: TensorRef | None = None  # [B, V] float32 when return_logits
-    error: str = ""
+    error: str = ""  # the whole batch failed
+    seq_errors: dict[int, str] = {}  # seq index -> why that sequence alone failed (its batch-mates did not)
 
 
 class WorkerInfo(Message):

@@ -390,6 +390,9 @@ class SchedulerService(Actor[ToScheduler]):
                 continue
             if req.computed_len < req.context_len:
                 continue  # a prefill chunk that did not reach the end: no token yet
+            if i in done.seq_errors:  # this sequence alone failed (sampling): its batch-mates go on
+                self._finish(req, "error", outs, error=done.seq_errors[i])
+                continue
             token = done.next_tokens[i]
             req.output_ids.append(token)
             if done.logprobs is not None:

@@ -3,10 +3,16 @@
 Greedy rows (temperature 0) take the argmax, which breaks ties like transformers does (first
 index). Seeded rows draw from a generator seeded by (seed, step), so a request's tokens do not
 depend on what else is in the batch.
+
+Sampling is total per sequence: a row whose logits are not finite (NaN anywhere, or nothing
+left to pick) or whose sampling raises fails alone (`Sampled.errors`); its batch-mates still
+get their tokens. The front door refuses parameters that would cause this (`SamplingParams.
+validate`), so a failure here means a model or kernel fault, or the test hook below.
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple, Sequence
 
 import torch
@@ -16,8 +22,16 @@ from himamba.services.worker.penalties import PenaltyState
 
 
 class Sampled(NamedTuple):
-    tokens: list[int]
+    tokens: list[int]  # a failed row's entry is 0 (meaningless)
     logprobs: list[float] | None
+    errors: dict[int, str] = {}  # row -> why its sampling failed
+
+
+# Test hook (fault injection): rows whose seed equals this get NaN logits, as a faulty kernel
+# would give them. Read once at import; unset in production.
+_NAN_SEED_ENV = "HIMAMBA_FAULT_SAMPLER_NAN_SEED"
+_NAN_SEED = int(os.environ[_NAN_SEED_ENV]) if os.environ.get(_NAN_SEED_ENV) else None
+_SAMPLING_ERRORS = (RuntimeError, ValueError, IndexError, OverflowError)
 
 
 def _seed_for(seed: int, step: int) -> int:
@@ -51,28 +65,49 @@ def sample(
     penalties: Sequence[PenaltyState | None] | None = None,
 ) -> Sampled:
     """logits: [B, V]. Returns one token per row (and its logprob when any row asks). Rows with a
-    PenaltyState get their repetition/frequency/presence penalties first."""
+    PenaltyState get their repetition/frequency/presence penalties first. A row that cannot be
+    sampled is reported in `errors` instead of failing the batch."""
     logits = logits.float()
+    errors: dict[int, str] = {}
+    if _NAN_SEED is not None and any(p.seed == _NAN_SEED for p in params):
+        logits = logits.clone()
+        for i, p in enumerate(params):
+            if p.seed == _NAN_SEED:
+                logits[i] = float("nan")
     if penalties is not None and any(x is not None for x in penalties):
         logits = logits.clone()
         for i, state in enumerate(penalties):
             if state is not None:
-                logits[i] = state.apply(logits[i], params[i])
+                try:
+                    logits[i] = state.apply(logits[i], params[i])
+                except _SAMPLING_ERRORS as e:
+                    errors[i] = f"sampling failed: {type(e).__name__}"
+    # One batched check: a NaN anywhere, or no finite logit to pick.
+    bad = torch.isnan(logits).any(dim=-1) | ~torch.isfinite(logits).any(dim=-1)
+    if bool(bad.any()):
+        for i in torch.nonzero(bad).view(-1).tolist():
+            errors.setdefault(i, "sampling failed: the model produced non-finite logits")
+        logits = logits.masked_fill(bad.view(-1, 1), 0.0)  # keeps the batched ops below finite
     greedy = [p.temperature == 0.0 for p in params]
     out = torch.argmax(logits, dim=-1)
     if not all(greedy):
         for i, p in enumerate(params):
-            if greedy[i]:
+            if greedy[i] or i in errors:
                 continue
-            row = _filter(logits[i], p)
-            probs = torch.softmax(row, dim=-1)
-            gen = None
-            if p.seed is not None:
-                gen = torch.Generator(device=logits.device).manual_seed(_seed_for(p.seed, steps[i]))
-            out[i] = torch.multinomial(probs, 1, generator=gen)[0]
+            try:
+                row = _filter(logits[i], p)
+                probs = torch.softmax(row, dim=-1)
+                gen = None
+                if p.seed is not None:
+                    gen = torch.Generator(device=logits.device).manual_seed(_seed_for(p.seed, steps[i]))
+                out[i] = torch.multinomial(probs, 1, generator=gen)[0]
+            except _SAMPLING_ERRORS as e:  # torch.multinomial raises RuntimeError on inf/NaN probabilities
+                errors[i] = f"sampling failed: {type(e).__name__}"
+    if errors:
+        out[list(errors)] = 0
     tokens = out.tolist()
     logprobs = None
     if any(p.logprobs for p in params):
         lp = torch.log_softmax(logits, dim=-1)
         logprobs = lp.gather(1, out.view(-1, 1)).view(-1).tolist()
-    return Sampled(tokens, logprobs)
+    return Sampled(tokens, logprobs, errors)

@@ -158,6 +158,7 @@ class WorkerService(Actor[ToWorker]):
             logprobs=result.logprobs,
             forward_s=time.perf_counter() - t0,
             logits=result.logits,
+            seq_errors=result.seq_errors,
         )
         await self.scheduler.send(result, tensors)
         self.m[WORKER_STEP_TIME].labels(mode=msg.mode).observe(time.perf_counter() - t0)
@@ -198,4 +199,9 @@ class WorkerService(Actor[ToWorker]):
         if msg.return_logits:
             tensors.append(logits.float().cpu())
             ref = tensor_ref(tensors[0], 0)
-        return BatchDone(batch_id=msg.batch_id, next_tokens=sampled.tokens, logprobs=sampled.logprobs, logits=ref), tensors
+        if sampled.errors:
+            self.log.error("batch %d: sampling failed for %d sequence(s): %s", msg.batch_id, len(sampled.errors), sampled.errors)
+        done = BatchDone(
+            batch_id=msg.batch_id, next_tokens=sampled.tokens, logprobs=sampled.logprobs, logits=ref, seq_errors=sampled.errors
+        )
+        return done, tensors

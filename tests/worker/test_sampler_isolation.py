@@ -1,0 +1,59 @@
+"""The sampler is total per sequence: a row that cannot be sampled fails alone, and its
+batch-mates get exactly the tokens they would get without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from himamba.common.types import SamplingParams
+from himamba.services.worker.penalties import PenaltyState
+from himamba.services.worker.sampler import sample
+
+V = 64
+PARAMS = [
+    SamplingParams(),  # greedy
+    SamplingParams(temperature=0.8, seed=3),
+    SamplingParams(temperature=1.0, top_k=5, top_p=0.9, seed=4, logprobs=True),
+    SamplingParams(repetition_penalty=1.3, seed=5, temperature=0.7),
+]
+
+
+def _logits() -> torch.Tensor:
+    return torch.randn(len(PARAMS), V, generator=torch.Generator().manual_seed(0)) * 4
+
+
+def _penalties() -> list[PenaltyState | None]:
+    state = PenaltyState(V, num_prompt=2, device=torch.device("cpu"))
+    state.feed([1, 2, 3, 2])
+    return [None, None, None, state]
+
+
+@pytest.mark.parametrize(
+    "poison",
+    [float("nan"), float("inf"), "all-ninf", "one-nan"],
+    ids=["nan-row", "inf-row", "no-finite-logit", "one-nan"],
+)
+@pytest.mark.parametrize("row", range(len(PARAMS)))
+def test_a_poisoned_row_fails_alone(row: int, poison: object) -> None:
+    clean = sample(_logits(), PARAMS, [7] * len(PARAMS), _penalties())
+    assert clean.errors == {}
+    bad = _logits()
+    if poison == "all-ninf":
+        bad[row] = float("-inf")
+    elif poison == "one-nan":
+        bad[row, 11] = float("nan")
+    else:
+        bad[row] = poison  # type: ignore[assignment]
+    got = sample(bad, PARAMS, [7] * len(PARAMS), _penalties())
+    assert set(got.errors) == {row}, got.errors
+    assert "sampling failed" in got.errors[row]
+    others = [i for i in range(len(PARAMS)) if i != row]
+    assert [got.tokens[i] for i in others] == [clean.tokens[i] for i in others]
+    assert got.logprobs is not None and clean.logprobs is not None
+    assert [got.logprobs[i] for i in others] == pytest.approx([clean.logprobs[i] for i in others])
+
+
+def test_a_clean_batch_has_no_errors() -> None:
+    got = sample(_logits(), PARAMS, [0] * len(PARAMS))
+    assert got.errors == {} and len(got.tokens) == len(PARAMS)
