@@ -76,6 +76,8 @@ class Decoder(Generic[T]):
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
             # msgspec raises UnicodeDecodeError for invalid UTF-8 in a string field
             raise WireError(f"undecodable message: {e}") from None
+        except RecursionError:  # containers nested deeper than the interpreter's stack allows
+            raise WireError("undecodable message: nested too deeply") from None
         return msg, list(frames[1:])
 
 

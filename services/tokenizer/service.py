@@ -31,6 +31,7 @@ from himamba.common.messages import (
     AbortGenerate,
     AbortRequest,
     AddRequest,
+    MAX_RID_CHARS,
     ClientRequest,
     ErrorReply,
     GenerateChunk,
@@ -78,14 +79,20 @@ _WAITING_LOG_MAX_S = 300.0
 _STOPPED_REMEMBERED = 4096
 
 
+class _RidOnly(msgspec.Struct):
+    rid: str = ""
+
+
+_rid_decoder = msgspec.msgpack.Decoder(_RidOnly)
+
+
 def _rid_of_raw(payload: bytes) -> str:
-    """Best effort: the rid of a payload that did not decode as a ClientRequest."""
+    """Best effort: the rid of a payload that did not decode as a ClientRequest ("" if none)."""
     try:
-        obj = msgspec.msgpack.decode(payload)
-    except (msgspec.DecodeError, ValueError):
+        rid = _rid_decoder.decode(payload).rid
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
         return ""
-    rid = obj.get("rid") if isinstance(obj, dict) else None
-    return rid if isinstance(rid, str) else ""
+    return rid if len(rid) <= MAX_RID_CHARS else ""
 
 
 class TokenizerService(Actor[ToTokenizer]):
