@@ -2,8 +2,11 @@
 
 Wire protocol
 =============
-The server binds a ZeroMQ ROUTER socket at its client endpoint (`[endpoints] zmq_endpoint`,
-default `ipc://@himamba-client`; `tcp://host:port` works the same). A client connects a DEALER
+The server binds a ZeroMQ ROUTER socket at its client endpoint (`[endpoints] zmq_endpoint`;
+by default the unix socket `client.sock` in the server instance's private runtime directory,
+e.g. `/run/himamba/port-30000/client.sock` for root or `$XDG_RUNTIME_DIR/himamba/port-30000/
+client.sock`, which only the server's user can reach: `find_endpoint(port=...)` or
+`find_endpoint(instance=...)` computes it; the server prints it when ready). A client connects a DEALER
 (or anything speaking to a ROUTER) and exchanges single-frame messages; the ROUTER adds and
 strips the identity frame, so a DEALER sees only the payload frame. Many requests may be in
 flight on one connection: every reply names the request it belongs to (`rid`).
@@ -20,8 +23,10 @@ Client -> server (`ClientRequest`):
   `temperature` (0 = greedy), `top_p`, `top_k` (0 = off), `min_p`, `seed`, `stop` ([str]),
   `stop_token_ids` ([int]), `ignore_eos`, `repetition_penalty`, `frequency_penalty`,
   `presence_penalty`, `n` (samples of the prompt, 1 to 16; sample i uses `seed` + i when a seed
-  is given), `logprobs` (bool).
-- ``{"type": "AbortGenerate", "rid": str}``: give up on a request.
+  is given), `logprobs` (bool). `api_key` (str): required when the server was started with
+  `--api-key` (the same key HTTP clients send as a Bearer token); a request without it is
+  answered by an ErrorReply with code 401. `rid` is at most 256 characters.
+- ``{"type": "AbortGenerate", "rid": str}``: give up on a request (only this connection's own).
 
 Server -> client (`ClientReply`):
 
@@ -37,8 +42,8 @@ Server -> client (`ClientReply`):
   sample's usage is its own (the siblings of sample 0 report the prompt tokens they found in
   the cache); `combined_usage` in `common/types.py` counts the prompt once.
 - ``{"type": "ErrorReply", "message": str, "rid": str, "code": int}``: the request was refused
-  or failed (400 bad input, 404 unknown rid, 409 rid in flight, 500 server error, 503 shutting
-  down). `rid` is "" when the payload could not be read at all. An error ends the whole request,
+  or failed (400 bad input, 401 missing or wrong api_key, 404 unknown rid, 409 rid in flight,
+  500 server error, 503 shutting down). `rid` is "" when the payload could not be read at all. An error ends the whole request,
   all its samples. An abort is answered by a final chunk with `finish_reason` "abort" for each
   sample still running.
 
@@ -46,7 +51,7 @@ Example (plain msgpack, any language)::
 
     import msgpack, zmq
     sock = zmq.Context().socket(zmq.DEALER)
-    sock.connect("ipc://@himamba-client")
+    sock.connect("ipc:///run/himamba/port-30000/client.sock")  # see find_endpoint
     sock.send(msgpack.packb({"type": "GenerateRequest", "rid": "1", "prompt": "def f(x):",
                              "sampling": {"max_tokens": 16}}))
     while True:
@@ -72,7 +77,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from himamba.common.config import Config
+from himamba.common.runtime_dir import client_endpoint
 from himamba.common.messages import AbortGenerate, ClientReply, ErrorReply, GenerateChunk, GenerateRequest
 from himamba.common.types import FinishReason, SamplingParams, Usage
 
@@ -234,8 +239,12 @@ def _check_single(options: Mapping[str, object]) -> None:
         raise ValueError("n: generate() returns one completion; use generate_n() for n > 1")
 
 
-def _default_endpoint(endpoint: str | None) -> str:
-    return endpoint if endpoint else Config().endpoints.zmq_endpoint
+def find_endpoint(endpoint: str | None = None, *, port: int = 0, instance: str = "") -> str:
+    """The client endpoint: `endpoint` as given, else the server named by `instance` or by its
+    HTTP `port` (default: the default port's), in this user's runtime directory."""
+    if endpoint:
+        return endpoint
+    return client_endpoint(instance=instance, port=port)
 
 
 def _raise_if_error(reply: ClientReply) -> GenerateChunk:
@@ -280,8 +289,17 @@ class Client:
     is aborted and TimeoutError raised.
     """
 
-    def __init__(self, endpoint: str | None = None, timeout_s: float | None = 600):
-        self.endpoint = _default_endpoint(endpoint)
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        timeout_s: float | None = 600,
+        *,
+        port: int = 0,
+        instance: str = "",
+        api_key: str = "",
+    ):
+        self.endpoint = find_endpoint(endpoint, port=port, instance=instance)
+        self.api_key = api_key
         self.timeout_s = timeout_s
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -363,6 +381,8 @@ class Client:
     def _send(self, msg: GenerateRequest | AbortGenerate) -> None:
         if self._closed:
             raise RuntimeError("client is closed")
+        if self.api_key and isinstance(msg, GenerateRequest):
+            msg = msgspec.structs.replace(msg, api_key=self.api_key)
         self._sock.send(self._encoder.encode(msg))
 
     def _run(self, req: GenerateRequest) -> Generator[GenerateChunk, None, None]:
@@ -417,8 +437,17 @@ class Client:
 class AsyncClient:
     """asyncio client on one DEALER connection; any number of concurrent requests (routed by rid)."""
 
-    def __init__(self, endpoint: str | None = None, timeout_s: float | None = 600):
-        self.endpoint = _default_endpoint(endpoint)
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        timeout_s: float | None = 600,
+        *,
+        port: int = 0,
+        instance: str = "",
+        api_key: str = "",
+    ):
+        self.endpoint = find_endpoint(endpoint, port=port, instance=instance)
+        self.api_key = api_key
         self.timeout_s = timeout_s
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -517,6 +546,8 @@ class AsyncClient:
     async def _send(self, msg: GenerateRequest | AbortGenerate) -> None:
         if self._closed:
             raise RuntimeError("client is closed")
+        if self.api_key and isinstance(msg, GenerateRequest):
+            msg = msgspec.structs.replace(msg, api_key=self.api_key)
         await self._sock.send(self._encoder.encode(msg))
 
     async def _run(self, req: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:

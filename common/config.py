@@ -94,18 +94,43 @@ class ModelConfig(_Section):
 
 
 class EndpointsConfig(_Section):
-    """ZeroMQ endpoints. Each service binds its own inbox; peers connect to it."""
+    """ZeroMQ endpoints. Each service binds its own inbox; peers connect to it.
 
+    Unset endpoints are unix sockets in the instance's private runtime directory (0700), so
+    only this user reaches them; see common/runtime_dir.py."""
+
+    instance: Annotated[
+        str,
+        doc(
+            'This server\'s name on the host; it names its private runtime directory. "": port-<HTTP port> '
+            "(required when HTTP is off)."
+        ),
+    ] = ""
+    runtime_dir: Annotated[
+        str,
+        doc(
+            "The directory holding the instances' runtime directories; \"\": $RUNTIME_DIRECTORY, "
+            "$XDG_RUNTIME_DIR/himamba, /run/himamba for root, else <tmp>/himamba-<uid>."
+        ),
+    ] = ""
     zmq_endpoint: Annotated[
-        str, doc("The public endpoint ZeroMQ clients (himamba generate, the bench) connect to.")
-    ] = "ipc://@himamba-client"
-    tokenizer_ipc: Annotated[str, doc("The tokenizer service's inbox.")] = "ipc://@himamba-tokenizer"
-    scheduler_ipc: Annotated[str, doc("The scheduler service's inbox.")] = "ipc://@himamba-scheduler"
-    worker_ipc: Annotated[str, doc("The worker service's inbox.")] = "ipc://@himamba-worker"
-    cache_ipc: Annotated[str, doc("The cache service's inbox.")] = "ipc://@himamba-cache"
-    control_ipc: Annotated[str, doc("Where services report readiness and fatal errors to the launcher.")] = (
-        "ipc://@himamba-control"
-    )
+        str,
+        doc(
+            "The public endpoint ZeroMQ clients (himamba generate, the bench) connect to; "
+            '"": client.sock in the instance\'s runtime directory.'
+        ),
+    ] = ""
+    tokenizer_ipc: Annotated[str, doc("The tokenizer service's inbox; \"\": in the runtime directory.")] = ""
+    scheduler_ipc: Annotated[str, doc("The scheduler service's inbox; \"\": in the runtime directory.")] = ""
+    worker_ipc: Annotated[str, doc("The worker service's inbox; \"\": in the runtime directory.")] = ""
+    cache_ipc: Annotated[str, doc("The cache service's inbox; \"\": in the runtime directory.")] = ""
+    control_ipc: Annotated[
+        str, doc("Where services report readiness and fatal errors to the launcher; \"\": in the runtime directory.")
+    ] = ""
+    insecure_endpoints: Annotated[
+        bool,
+        doc("Allow tcp:// and abstract ipc://@ endpoints, which other hosts and local users can reach."),
+    ] = False
 
 
 class SchedulerConfig(_Section):
@@ -265,11 +290,23 @@ class HttpConfig(_Section):
     api_key: Annotated[
         str,
         doc(
-            'The key clients send as `Authorization: Bearer <key>` on /v1/*; "": none. '
-            "The HIMAMBA_API_KEY environment variable sets it without showing it in `ps`."
+            'The key clients send as `Authorization: Bearer <key>` on /v1/* (ZeroMQ clients: `api_key` in each '
+            'request); "": none. The HIMAMBA_API_KEY environment variable sets it without showing it in `ps`.'
         ),
     ] = ""
     access_log: Annotated[bool, doc("Log one line per HTTP request (method, path, status, size, time).")] = False
+    max_connections: Annotated[
+        NonNegInt,
+        doc("Open HTTP connections at most (beyond: 503); 0, and at most: the fd limit less a reserve."),
+    ] = 0
+    request_timeout_s: Annotated[
+        float,
+        msgspec.Meta(gt=0),
+        doc("A connection's next request head must arrive within this (idle and slow clients are closed)."),
+    ] = 10.0
+    body_timeout_s: Annotated[
+        float, msgspec.Meta(gt=0), doc("A request body must arrive within this, else 408.")
+    ] = 30.0
 
 
 class MetricsConfig(_Section):

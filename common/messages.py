@@ -44,6 +44,7 @@ class GenerateRequest(Message):
     input_ids: list[int] | None = None
     sampling: SamplingParams = SamplingParams()
     stream: bool = True
+    api_key: str = ""  # required (the server's --api-key) when the server has one
 
 
 class AbortGenerate(Message):

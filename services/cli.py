@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import shutil
 import signal
@@ -16,6 +17,7 @@ import msgspec
 from himamba.common.config import Config, ConfigError, field_name, resolve_dtype
 from himamba.common.config_flags import accepted_notes, add_config_flags, config_from_args, formatter_class
 from himamba.common.log import setup_logging
+from himamba.common.runtime_dir import resolve_endpoints
 
 DEMO_ARCH = "nemotron_h"
 DEMO_PRESET = "tiny"
@@ -83,20 +85,27 @@ def _demo_checkpoint() -> Path:
 
     path = demo_dir()
     if not (path / "config.json").exists():
-        print(f"building the demo checkpoint (random weights) in {path} ...", file=sys.stderr, flush=True)
-        # Build aside and rename, so concurrent starts never see half a checkpoint.
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
-        make_checkpoint(DEMO_ARCH, tmp, preset=DEMO_PRESET, seed=0)
-        try:
-            tmp.rename(path)
-        except OSError:  # another process finished first
-            shutil.rmtree(tmp, ignore_errors=True)
+        # One builder at a time (two first starts on one host): the others wait, then reuse it.
+        with open(path.parent / f"{path.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (path / "config.json").exists():
+                print(f"building the demo checkpoint (random weights) in {path} ...", file=sys.stderr, flush=True)
+                # Built aside and renamed: a reader never sees half a checkpoint.
+                tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+                try:
+                    make_checkpoint(DEMO_ARCH, tmp, preset=DEMO_PRESET, seed=0)
+                    tmp.rename(path)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
 def _service(name: str, cfg: Config) -> None:
+    from himamba.common.runtime_dir import InstanceLock
     from himamba.services.actor import run_actor
+
+    lock = InstanceLock(cfg, name)  # held for the process's life: one `name` per instance
 
     if name == "worker":
         from himamba.services.worker.service import WorkerService as cls
@@ -109,6 +118,7 @@ def _service(name: str, cfg: Config) -> None:
     else:
         raise ConfigError(f"unknown service {name!r}")
     run_actor(cls(cfg))
+    lock.release()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -154,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
     args = _parser().parse_args(argv)
+    if args.command in ("serve", "service"):
+        from himamba.services.fd_limit import raise_fd_limit
+
+        raise_fd_limit()  # children inherit it
     try:
         if args.command == "make-model":
             from himamba.services.modelgen.checkpoint import make_checkpoint
@@ -161,26 +175,32 @@ def main(argv: list[str] | None = None) -> int:
             out = make_checkpoint(args.arch, Path(args.out), preset=args.preset, seed=args.seed)
             print(f"wrote a random-weight {args.arch} ({args.preset}) checkpoint to {out}")
             return 0
-        asked = config_from_args(args)
+        asked = resolve_endpoints(config_from_args(args))
+        if args.command == "serve":
+            from himamba.services.launch import Launcher
+
+            log = setup_logging("launcher", asked.log.level)
+
+            def prepare(cfg: Config) -> Config:
+                resolved = resolve_model(cfg)
+                for note in [*resolved.notes, *accepted_notes(args)]:
+                    log.info("%s", note)
+                return resolved.cfg
+
+            # Checked before anything is built or started: a taken instance or port is one line.
+            return Launcher(asked, log).run(prepare)
         cfg, notes = resolve_model(asked)
+        # Under a process manager the worker, which loads the model, says what auto resolved to (under
+        # `himamba serve` the launcher said it, and hands its children a resolved config).
+        worker_notes = [*(notes if asked.model.dtype == "auto" else []), *accepted_notes(args)]
+        if args.name == "worker" and worker_notes:
+            log = setup_logging(args.name, cfg.log.level)
+            for note in worker_notes:
+                log.info("%s", note)
+        _service(args.name, cfg)
     except (ConfigError, ValueError) as e:
         print(f"himamba: {e}", file=sys.stderr)
         return 2
-    if args.command == "serve":
-        from himamba.services.launch import serve
-
-        log = setup_logging("launcher", cfg.log.level)
-        for note in [*notes, *accepted_notes(args)]:
-            log.info("%s", note)
-        return serve(cfg)
-    # Under a process manager the worker, which loads the model, says what auto resolved to (under
-    # `himamba serve` the launcher said it, and hands its children a resolved config).
-    worker_notes = [*(notes if asked.model.dtype == "auto" else []), *accepted_notes(args)]
-    if args.name == "worker" and worker_notes:
-        log = setup_logging(args.name, cfg.log.level)
-        for note in worker_notes:
-            log.info("%s", note)
-    _service(args.name, cfg)
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from typing import TextIO
 
@@ -18,7 +19,10 @@ _REPLY_TIMEOUT_S = 600.0  # a server that stays silent this long is stuck or gon
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="himamba generate", description="Generate a completion from a running server.")
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--endpoint", default=None, help=f"server endpoint (default {Config().endpoints.zmq_endpoint})")
+    p.add_argument("--port", type=int, default=0, help=f"the server with this HTTP port (default {Config().http.port})")
+    p.add_argument("--instance", default="", help="the server with this instance name (`himamba serve --instance`)")
+    p.add_argument("--endpoint", default=None, help="the server's client endpoint itself (overrides --port/--instance)")
+    p.add_argument("--api-key", default=os.environ.get("HIMAMBA_API_KEY", ""), help="the server's --api-key (default: $HIMAMBA_API_KEY)")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (default: the server's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -56,7 +60,14 @@ def main(argv: list[str] | None = None, stdout: TextIO | None = None, stderr: Te
         seed=args.seed,
         stop=args.stop,
     )
-    with Client(args.endpoint, timeout_s=_REPLY_TIMEOUT_S) as client:
+    try:
+        client = Client(
+            args.endpoint, timeout_s=_REPLY_TIMEOUT_S, port=args.port, instance=args.instance, api_key=args.api_key
+        )
+    except ValueError as e:  # a bad instance name
+        print(f"error: {e}", file=err)
+        return 2
+    with client:
         if not client.wait_connected(args.connect_timeout):
             print(f"no himamba server at {client.endpoint} — start one with `himamba serve`", file=err)
             return 2

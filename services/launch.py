@@ -5,21 +5,24 @@ SIGTERM stops every child within a few seconds (exit code 0).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import msgspec
 import zmq
 
-from himamba.common.config import Config, encode
+from himamba.common.config import Config, ConfigError, HttpConfig, encode
 from himamba.common.messages import Fatal, Ready, ToLauncher
+from himamba.common.runtime_dir import InstanceLock
 
 SERVICES = ("worker", "cache", "scheduler", "tokenizer")
 _STOP_GRACE_S = 4.5
@@ -39,26 +42,39 @@ class Launcher:
     """Spawns and supervises the services of one server."""
 
     def __init__(self, cfg: Config, log: logging.Logger):
+        """Claim the instance (its lock) and the HTTP port, and bind the control socket; a taken
+        instance or port raises ConfigError with one line that says so."""
         self.cfg = cfg
         self.log = log
         self.children: list[Child] = []
         self._signal: int | None = None
+        self._lock = InstanceLock(cfg, "server")
+        try:
+            check_port_free(cfg.http)
+        except ConfigError:
+            self._lock.release()
+            raise
         self._tmp = tempfile.TemporaryDirectory(prefix="himamba-")
         self.config_path = Path(self._tmp.name) / "config.json"
-        self.config_path.write_bytes(encode(cfg))
         self.ctx = zmq.Context()
         self.control = self.ctx.socket(zmq.PULL)
         self.control.setsockopt(zmq.LINGER, 0)
+        self.control.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
         self.control.bind(cfg.endpoints.control_ipc)
         self.decoder = msgspec.msgpack.Decoder(ToLauncher)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._signal = signum
 
-    def run(self) -> int:
+    def run(self, prepare: Callable[[Config], Config] | None = None) -> int:
+        """Start and supervise the services; `prepare` (building the demo model) runs first,
+        while this launcher holds the instance."""
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
         try:
+            if prepare is not None:
+                self.cfg = prepare(self.cfg)
+            self.config_path.write_bytes(encode(self.cfg))
             for name in SERVICES:
                 proc = subprocess.Popen(child_command(name, self.config_path), env=_child_env())
                 self.children.append(Child(name, proc))
@@ -73,6 +89,7 @@ class Launcher:
             self.control.close(0)
             self.ctx.term()
             self._tmp.cleanup()
+            self._lock.release()
 
     def _poll_control(self, timeout_ms: int) -> Ready | Fatal | None:
         if not self.control.poll(timeout_ms):
@@ -80,7 +97,7 @@ class Launcher:
         frames = self.control.recv_multipart()
         try:
             return self.decoder.decode(frames[0])
-        except msgspec.DecodeError as e:
+        except (msgspec.DecodeError, RecursionError) as e:
             self.log.warning("bad control message: %s", e)
             return None
 
@@ -110,7 +127,11 @@ class Launcher:
     def _announce(self) -> None:
         ep = self.cfg.endpoints.zmq_endpoint
         print(f"himamba is ready: model {self.cfg.model.model}; ZeroMQ clients connect to {ep}", flush=True)
-        print(f'  try: himamba generate "def fibonacci(n):" --endpoint {ep}', flush=True)
+        if self.cfg.http.port and self.cfg.endpoints.instance == f"port-{self.cfg.http.port}":
+            find = f"--port {self.cfg.http.port}"
+        else:
+            find = f"--instance {self.cfg.endpoints.instance}"
+        print(f'  try: himamba generate "def fibonacci(n):" {find}', flush=True)
         http = self.cfg.http
         if http.port:
             print(f"  OpenAI-compatible API at http://{http.host}:{http.port}/v1 (metrics at /metrics, health at /health)", flush=True)
@@ -165,6 +186,21 @@ class Launcher:
         c.proc.wait()
 
 
+def check_port_free(http: HttpConfig) -> None:
+    """Raise ConfigError if the HTTP port cannot be bound (another server has it)."""
+    if not http.port:
+        return
+    family = socket.AF_INET6 if ":" in http.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds it
+        try:
+            s.bind((http.host, http.port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ConfigError(f"port: {http.host}:{http.port} is already in use: choose another --port") from None
+            raise ConfigError(f"port: cannot bind {http.host}:{http.port}: {e.strerror}") from None
+
+
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONSAFEPATH"] = "1"
@@ -175,5 +211,6 @@ def _child_env() -> dict[str, str]:
 
 
 def serve(cfg: Config) -> int:
+    """Run a server on an already resolved config (endpoints and model)."""
     log = logging.getLogger("himamba.launch")
     return Launcher(cfg, log).run()

@@ -16,14 +16,27 @@ import msgspec
 import zmq
 
 from himamba.common.messages import CacheStats, GetCacheStats
+from himamba.common.runtime_dir import runtime_base, socket_endpoint
 from himamba.common.wire import encode
 
 ENDPOINT_FIELDS = ("zmq_endpoint", "tokenizer_ipc", "scheduler_ipc", "worker_ipc", "cache_ipc", "control_ipc")
 
 
 def unique_endpoints(prefix: str = "himamba-run") -> dict[str, str]:
+    """Abstract endpoints for services run in-process by tests (a served `himamba serve` uses
+    its instance's private directory instead: `instance_endpoints`)."""
     tag = uuid.uuid4().hex[:12]
     return {n: f"ipc://@{prefix}-{tag}-{n}" for n in ENDPOINT_FIELDS}
+
+
+def instance_endpoints(instance: str, runtime_dir: str = "") -> dict[str, str]:
+    """Where a `himamba serve --instance NAME` (run as this user) binds its endpoints."""
+    directory = runtime_base(runtime_dir) / instance
+    return {n: socket_endpoint(directory, n) for n in ENDPOINT_FIELDS}
+
+
+def _flag_value(flags: tuple[str, ...], name: str) -> str | None:
+    return flags[flags.index(name) + 1] if name in flags else None
 
 
 def himamba_command() -> list[str]:
@@ -76,10 +89,14 @@ class ServerProcess:
 
 
 def start_server(model_dir: Path | str, log_dir: Path, *flags: str, ready_timeout_s: float = 180.0) -> ServerProcess:
-    """Run `himamba serve` on `model_dir` with unique endpoints (HTTP off unless `--port` is
+    """Run `himamba serve` on `model_dir` as its own instance (HTTP off unless `--port` is
     given) and wait for its ready line."""
-    endpoints = unique_endpoints()
+    instance = _flag_value(flags, "--instance")
     args = [*himamba_command(), "serve", "--model", str(model_dir)]
+    if instance is None:
+        instance = f"t-{uuid.uuid4().hex[:12]}"
+        args += ["--instance", instance]
+    endpoints = instance_endpoints(instance, _flag_value(flags, "--runtime-dir") or "")
     if "--torch-threads" not in flags:
         args += ["--torch-threads", "1"]
     if "--port" not in flags:
@@ -88,8 +105,6 @@ def start_server(model_dir: Path | str, log_dir: Path, *flags: str, ready_timeou
     if "--hicache-storage-dir" not in flags:
         # A fresh storage tier per server: runs must not see each other's stored prefixes.
         args += ["--hicache-storage-dir", str(log_dir / f"storage-{uuid.uuid4().hex[:6]}")]
-    for name, ep in endpoints.items():
-        args += ["--" + name.replace("_", "-"), ep]
     args += list(flags)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"server-{uuid.uuid4().hex[:6]}.log"

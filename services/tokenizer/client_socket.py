@@ -7,6 +7,12 @@ Frames are `[identity, payload]` both ways. A vanished client is noticed two way
   ZMQ_ROUTER_NOTIFY would say this directly, but it is a draft option that the libzmq bundled
   with pyzmq rejects (EINVAL), so it is not used.
 
+A client that does not read: its send queue is bounded (SNDHWM) and sends never block (a full
+queue would stall the whole front door on one reader); with ROUTER_MANDATORY a send to a full
+queue fails with EAGAIN instead of being dropped silently mid-stream, and that client is then
+treated as gone: its requests are aborted and their memory returned. Messages larger than
+`max_message_bytes` make ZeroMQ disconnect the sender (ZMQ_MAXMSGSIZE), before any decoding.
+
 Descriptors are reused by the kernel. Monitor events are drained before each client message is
 returned: libzmq emits a connection's DISCONNECTED before closing its descriptor, so any event
 for the old owner of a descriptor is seen before a message from a new owner of it.
@@ -35,17 +41,27 @@ class ClientGone(NamedTuple):
     identity: bytes
 
 
+# Replies queued for one client that is not reading, at most (a few seconds of its streams).
+SEND_QUEUE_MESSAGES = 1 << 16
+
+
 class ClientSocket:
     """A bound ROUTER on the actor's context; `recv()` yields messages and departures."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str):
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        max_message_bytes: int = 16 << 20,
+        send_queue: int = SEND_QUEUE_MESSAGES,
+    ):
         self.endpoint = endpoint
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.LINGER, 0)
-        # Unbounded send queue: with ROUTER_MANDATORY a full queue would block the whole front door
-        # on one slow reader; a client's queue is bounded by its requests' outputs anyway.
-        self.router.setsockopt(zmq.SNDHWM, 0)
+        self.router.setsockopt(zmq.SNDHWM, send_queue)
+        self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self.overflowed = 0  # clients dropped because they did not read their replies
         self.monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.router.bind(endpoint)
         self._poller = zmq.asyncio.Poller()
@@ -72,9 +88,13 @@ class ClientSocket:
             return ClientMessage(identity, list(frames[1:]))
 
     async def send(self, identity: bytes, payload: bytes) -> bool:
-        """Send one reply; False when the client is gone (it is then reported by `recv` too)."""
+        """Send one reply without blocking; False when the client is gone or its queue is full
+        (it does not read): the caller then ends its requests."""
         try:
-            await self.router.send_multipart([identity, payload], copy=False)
+            await self.router.send_multipart([identity, payload], copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.overflowed += 1
+            return False
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise

@@ -16,7 +16,9 @@ together at /metrics) and their readiness (`Ready`, `WorkerInfo`, reports) for /
 from __future__ import annotations
 
 import asyncio
+import hmac
 import os
+import resource
 import time
 import traceback
 from collections import OrderedDict
@@ -65,7 +67,7 @@ from himamba.services.tokenizer.loader import LoadedTokenizer, load_tokenizer
 from himamba.services.tokenizer.local_clients import LocalClients, ReplyStream
 from himamba.services.tokenizer.output import RequestOutput
 from himamba.services.tokenizer.peers import PEERS, PeerTable, Readiness
-from himamba.services.tokenizer.prepare import RequestLimits, prepare_request
+from himamba.services.tokenizer.prepare import MAX_CHARS_PER_TOKEN, RequestLimits, prepare_request
 from himamba.services.tokenizer.request_metrics import RequestClock, RequestMetrics
 from himamba.services.tokenizer.requests import RequestEntry, RequestTable, internal_rid
 from himamba.services.tokenizer.samples import sample_requests
@@ -77,6 +79,9 @@ _MIN_STALE_S = 1.0
 _WAITING_LOG_EVERY_S = 10.0
 _WAITING_LOG_MAX_S = 300.0
 _STOPPED_REMEMBERED = 4096
+# A client message larger than this per context token (+1 MiB for the rest) is cut off by ZeroMQ
+# (the client is disconnected): a prompt of MAX_CHARS_PER_TOKEN 4-byte characters per token fits.
+CLIENT_BYTES_PER_CONTEXT_TOKEN = 4 * MAX_CHARS_PER_TOKEN
 
 
 class _RidOnly(msgspec.Struct):
@@ -141,11 +146,14 @@ class TokenizerService(Actor[ToTokenizer]):
         # A worker that is already up sent its WorkerInfo (model vocab, eos) to an earlier front door.
         self._worker = Outbox(self.ctx, self.cfg.endpoints.worker_ipc)
         await self._worker.send(Hello(service=self.name, pid=os.getpid()))
-        self._clients = ClientSocket(self.ctx, self.cfg.endpoints.zmq_endpoint)
+        max_bytes = CLIENT_BYTES_PER_CONTEXT_TOKEN * self.cfg.model.max_context_len + (1 << 20)
+        self._clients = ClientSocket(self.ctx, self.cfg.endpoints.zmq_endpoint, max_message_bytes=max_bytes)
         detail = f"vocab {self._vocab_size}, eos {self._eos_token_ids}, clients at {self.cfg.endpoints.zmq_endpoint}"
         if self.cfg.http.port:
             self._http = HttpServer(self, self.cfg.http, self.log)
             detail += f", HTTP at {await self._http.start()}"
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            detail += f" (at most {self._http.guard.cap} connections; fd limit {soft})"
         return detail
 
     async def background(self) -> None:
@@ -332,9 +340,9 @@ class TokenizerService(Actor[ToTokenizer]):
         self._request_metrics.on_tokens(entry.clock, len(out.token_ids), time.monotonic())
         try:
             step = entry.output.on_token_out(out)
-        except Exception as e:
+        except Exception:
             self.log.error("output of %s failed\n%s", out.rid, traceback.format_exc())
-            await self._fail_request(entry, f"internal error: {e!r}", abort_failed=True)
+            await self._fail_request(entry, "internal error (see the server log)", abort_failed=True)
             return
         if step.finished:
             self.table.pop(out.rid)
@@ -368,7 +376,16 @@ class TokenizerService(Actor[ToTokenizer]):
             payload = event.frames[0].bytes
             await self._reply(event.identity, ErrorReply(message=f"undecodable request: {e}", rid=_rid_of_raw(payload)))
             return
+        if isinstance(msg, GenerateRequest) and not self._key_ok(msg.api_key):
+            reply = ErrorReply(message="invalid or missing api_key (the server was started with --api-key)", rid=msg.rid, code=401)
+            await self._reply(event.identity, reply)
+            return
         await self._dispatch(event.identity, msg)
+
+    def _key_ok(self, key: str) -> bool:
+        """ZeroMQ requests carry the key in the request (HTTP ones were checked by the HTTP server)."""
+        want = self.cfg.http.api_key
+        return not want or hmac.compare_digest(key.encode(), want.encode())
 
     async def _dispatch(self, identity: bytes, msg: GenerateRequest | AbortGenerate) -> None:
         """Serve one client message (ZeroMQ or in-process alike)."""
@@ -378,13 +395,13 @@ class TokenizerService(Actor[ToTokenizer]):
                     await self._on_generate(identity, msg)
                 case AbortGenerate(rid=rid):
                     await self._on_abort(identity, rid)
-        except Exception as e:  # a bug here must cost one request, not the front door
+        except Exception:  # a bug here must cost one request, not the front door
             self.log.error("client request failed\n%s", traceback.format_exc())
             rid = getattr(msg, "rid", "")
             for entry in self.table.pop_request(identity, rid):
                 self._record_end(entry, "error", None)
                 await self._send_scheduler(AbortRequest(rid=entry.rid))
-            await self._reply(identity, ErrorReply(message=f"internal error: {e!r}", rid=rid, code=500))
+            await self._reply(identity, ErrorReply(message="internal error (see the server log)", rid=rid, code=500))
 
     def _auto_rid(self, identity: bytes) -> str:
         while True:

@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 import uuid
+from pathlib import Path
 from collections.abc import Iterator
 
 import msgspec
@@ -13,7 +14,8 @@ import pytest
 import zmq
 
 from himamba.common.client import AsyncClient, Client, Completion, HimambaError, make_request
-from himamba.common.config import Config
+from himamba.common.config import Config, load
+from himamba.common.runtime_dir import resolve_endpoints
 from himamba.common.messages import AbortGenerate, ClientRequest, ErrorReply, GenerateChunk, GenerateRequest
 from himamba.common.types import CachedTokens, Usage, combined_usage
 
@@ -129,12 +131,23 @@ def server() -> Iterator[FakeServer]:
     srv.close()
 
 
-def test_default_endpoint_is_the_servers_default() -> None:
+def test_default_endpoint_is_where_a_default_server_binds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Client() finds `himamba serve` (default port), Client(port=/instance=) any other instance."""
+    monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    served = resolve_endpoints(Config()).endpoints.zmq_endpoint
     with Client() as c:
-        assert c.endpoint == Config().endpoints.zmq_endpoint
+        assert c.endpoint == served
     c2 = AsyncClient()
-    assert c2.endpoint == Config().endpoints.zmq_endpoint
+    assert c2.endpoint == served
     c2.close()
+    other = resolve_endpoints(load(overrides={"http": {"port": 30001}})).endpoints.zmq_endpoint
+    assert other != served
+    with Client(port=30001) as c:
+        assert c.endpoint == other
+    named = resolve_endpoints(load(overrides={"http": {"port": 0}, "endpoints": {"instance": "blue"}}))
+    with Client(instance="blue") as c:
+        assert c.endpoint == named.endpoints.zmq_endpoint
 
 
 def test_make_request_checks_prompt_xor_ids_and_fills_sampling() -> None:

@@ -75,10 +75,14 @@ def decode_body(raw: bytes, body_type: type[CompletionBody] | type[ChatBody]) ->
         obj = msgspec.json.decode(raw)
     except (msgspec.DecodeError, UnicodeDecodeError) as e:  # msgspec raises the latter for bad UTF-8
         raise ApiError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "malformed JSON body: nested too deeply", code="invalid_json") from None
     if not isinstance(obj, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     try:
         body = msgspec.convert(obj, body_type)
+    except RecursionError:
+        raise ApiError(400, "invalid request: nested too deeply", code="invalid_type") from None
     except msgspec.ValidationError as e:
         text = str(e)
         param = text.rsplit("`$.", 1)[1].rstrip("`") if "`$." in text else None

@@ -10,9 +10,11 @@ Errors use OpenAI's shape. With an API key set, /v1/* requires `Authorization: B
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
+import traceback
 import uuid
 from typing import Any, Protocol
 
@@ -35,6 +37,7 @@ from himamba.services.tokenizer.http.bodies import (
     sampling_of,
 )
 from himamba.services.tokenizer.http.chat_template import ChatTemplate, TemplateError
+from himamba.services.tokenizer.http.connections import ConnectionGuard, connection_cap, read_body
 from himamba.services.tokenizer.http.errors import ApiError, param_of_message
 from himamba.services.tokenizer.http.responses import Kind, ResponseBuilder
 from himamba.services.tokenizer.local_clients import ReplyStream
@@ -88,6 +91,22 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
+class _Runner(web.AppRunner):
+    """An AppRunner whose server is bounded by a ConnectionGuard."""
+
+    def __init__(self, app: web.Application, guard: ConnectionGuard, **kwargs: Any):
+        super().__init__(app, **kwargs)
+        self._guard = guard
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        self._guard.attach(server)
+        return server
+
+
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
 class HttpServer:
     """aiohttp application bound to `cfg.host:cfg.port` on the running (uvloop) event loop."""
 
@@ -106,6 +125,7 @@ class HttpServer:
         self.app.router.add_get("/metrics", self.metrics)
         self._runner: web.AppRunner | None = None
         self.port = cfg.port
+        self.guard = ConnectionGuard(connection_cap(cfg.max_connections), cfg.request_timeout_s, log)
 
     async def start(self) -> str:
         """Bind and serve; returns the base URL."""
@@ -113,8 +133,18 @@ class HttpServer:
         access: dict[str, Any] = {"access_log": None}
         if self.cfg.access_log:  # --access-log: one line per request, in the tokenizer's log
             access = {"access_log": logging.getLogger("himamba.tokenizer.access"), "access_log_format": _ACCESS_FORMAT}
-        self._runner = web.AppRunner(
-            self.app, handler_cancellation=True, shutdown_timeout=_SHUTDOWN_TIMEOUT_S, **access
+        if self.cfg.host not in _LOOPBACK and not self.cfg.api_key:
+            self.log.warning(
+                "HTTP listens on %s without an API key: anyone who can reach it can generate (set --api-key)",
+                self.cfg.host,
+            )
+        self._runner = _Runner(
+            self.app,
+            self.guard,
+            handler_cancellation=True,
+            shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
+            keepalive_timeout=self.cfg.request_timeout_s,
+            **access,
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
@@ -131,6 +161,7 @@ class HttpServer:
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         route = _ROUTES.get(request.path, "models" if request.path.startswith("/v1/models/") else "other")
+        self.guard.request_started(request.protocol)
         try:
             if request.path.startswith("/v1/"):
                 self._check_api_key(request)
@@ -142,6 +173,13 @@ class HttpServer:
                 raise
             code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
             response = _error_response(ApiError(e.status, f"{e.reason}: {request.method} {request.path}", code=code))
+        except (asyncio.CancelledError, ConnectionError):
+            raise  # the client went away
+        except Exception:  # a bug must cost one request: a JSON 500 that shows no internals
+            self.log.error("%s %s failed\n%s", request.method, request.path, traceback.format_exc())
+            response = _error_response(ApiError(500, "internal error (see the server log)", code="internal_error"))
+        finally:
+            self.guard.request_done(request.protocol)
         status = f"{min(max(response.status // 100, 2), 5)}xx"
         if status in ("2xx", "4xx", "5xx"):
             self.door.metrics[HTTP_RESPONSES].labels(route=route, status=status).inc()
@@ -196,7 +234,7 @@ class HttpServer:
     # ------------------------------------------------------------ generation
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body, _ = decode_body(await request.read(), CompletionBody)
+        body, _ = decode_body(await read_body(request, self.cfg.body_timeout_s), CompletionBody)
         self._check_model(body.model)
         logprobs = check_completion(body)
         prompt = completion_prompt(body)
@@ -213,7 +251,7 @@ class HttpServer:
         return await self._serve(request, req, builder, include_usage)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body, _ = decode_body(await request.read(), ChatBody)
+        body, _ = decode_body(await read_body(request, self.cfg.body_timeout_s), ChatBody)
         self._check_model(body.model)
         messages = chat_messages(body)
         template = self.door.chat_template
