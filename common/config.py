@@ -127,6 +127,10 @@ class EndpointsConfig(_Section):
     control_ipc: Annotated[
         str, doc("Where services report readiness and fatal errors to the launcher; \"\": in the runtime directory.")
     ] = ""
+    client_send_queue: Annotated[
+        PositiveInt,
+        doc("Replies queued for a ZeroMQ client that does not read them; beyond, its requests are aborted."),
+    ] = 65536
     insecure_endpoints: Annotated[
         bool,
         doc("Allow tcp:// and abstract ipc://@ endpoints, which other hosts and local users can reach."),

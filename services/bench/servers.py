@@ -88,11 +88,19 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start_server(model_dir: Path | str, log_dir: Path, *flags: str, ready_timeout_s: float = 180.0) -> ServerProcess:
+def start_server(
+    model_dir: Path | str,
+    log_dir: Path,
+    *flags: str,
+    ready_timeout_s: float = 180.0,
+    wrapper: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> ServerProcess:
     """Run `himamba serve` on `model_dir` as its own instance (HTTP off unless `--port` is
-    given) and wait for its ready line."""
+    given) and wait for its ready line. `wrapper` prefixes the command (e.g. prlimit), `env`
+    adds to the environment."""
     instance = _flag_value(flags, "--instance")
-    args = [*himamba_command(), "serve", "--model", str(model_dir)]
+    args = [*wrapper, *himamba_command(), "serve", "--model", str(model_dir)]
     if instance is None:
         instance = f"t-{uuid.uuid4().hex[:12]}"
         args += ["--instance", instance]
@@ -108,9 +116,9 @@ def start_server(model_dir: Path | str, log_dir: Path, *flags: str, ready_timeou
     args += list(flags)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"server-{uuid.uuid4().hex[:6]}.log"
-    env = dict(os.environ, PYTHONSAFEPATH="1")
+    full_env = dict(os.environ, PYTHONSAFEPATH="1", **(env or {}))
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
     server = ServerProcess(proc, endpoints, log_path)
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:

@@ -41,10 +41,6 @@ class ClientGone(NamedTuple):
     identity: bytes
 
 
-# Replies queued for one client that is not reading, at most (a few seconds of its streams).
-SEND_QUEUE_MESSAGES = 1 << 16
-
-
 class ClientSocket:
     """A bound ROUTER on the actor's context; `recv()` yields messages and departures."""
 
@@ -53,7 +49,7 @@ class ClientSocket:
         ctx: zmq.asyncio.Context,
         endpoint: str,
         max_message_bytes: int = 16 << 20,
-        send_queue: int = SEND_QUEUE_MESSAGES,
+        send_queue: int = 1 << 16,
     ):
         self.endpoint = endpoint
         self.router = ctx.socket(zmq.ROUTER)

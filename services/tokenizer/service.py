@@ -147,7 +147,9 @@ class TokenizerService(Actor[ToTokenizer]):
         self._worker = Outbox(self.ctx, self.cfg.endpoints.worker_ipc)
         await self._worker.send(Hello(service=self.name, pid=os.getpid()))
         max_bytes = CLIENT_BYTES_PER_CONTEXT_TOKEN * self.cfg.model.max_context_len + (1 << 20)
-        self._clients = ClientSocket(self.ctx, self.cfg.endpoints.zmq_endpoint, max_message_bytes=max_bytes)
+        self._clients = ClientSocket(
+            self.ctx, self.cfg.endpoints.zmq_endpoint, max_message_bytes=max_bytes, send_queue=self.cfg.endpoints.client_send_queue
+        )
         detail = f"vocab {self._vocab_size}, eos {self._eos_token_ids}, clients at {self.cfg.endpoints.zmq_endpoint}"
         if self.cfg.http.port:
             self._http = HttpServer(self, self.cfg.http, self.log)

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from himamba.services.tokenizer.http.errors import ApiError
@@ -117,6 +118,26 @@ class ConnectionGuard:
         """Its response is written: the next request head is due within the deadline."""
         if handler in self.live:
             self._arm(handler)
+
+
+class MalformedRequestFilter(logging.Filter):
+    """aiohttp logs every request it cannot parse with a traceback at ERROR: a client could
+    fill the log with them. They are answered 400 anyway; count them and log one line now and then."""
+
+    def __init__(self, log: logging.Logger):
+        super().__init__()
+        self.log = log
+        self.count = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        self.count += 1
+        if self.count == 1 or self.count % 1000 == 0:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            self.log.warning("malformed HTTP request answered 400 (%d so far): %s", self.count, first)
+        return False
 
 
 async def read_body(request: web.Request, timeout_s: float) -> bytes:

@@ -37,7 +37,12 @@ from himamba.services.tokenizer.http.bodies import (
     sampling_of,
 )
 from himamba.services.tokenizer.http.chat_template import ChatTemplate, TemplateError
-from himamba.services.tokenizer.http.connections import ConnectionGuard, connection_cap, read_body
+from himamba.services.tokenizer.http.connections import (
+    ConnectionGuard,
+    MalformedRequestFilter,
+    connection_cap,
+    read_body,
+)
 from himamba.services.tokenizer.http.errors import ApiError, param_of_message
 from himamba.services.tokenizer.http.responses import Kind, ResponseBuilder
 from himamba.services.tokenizer.local_clients import ReplyStream
@@ -126,6 +131,7 @@ class HttpServer:
         self._runner: web.AppRunner | None = None
         self.port = cfg.port
         self.guard = ConnectionGuard(connection_cap(cfg.max_connections), cfg.request_timeout_s, log)
+        self._malformed = MalformedRequestFilter(log)
 
     async def start(self) -> str:
         """Bind and serve; returns the base URL."""
@@ -138,6 +144,7 @@ class HttpServer:
                 "HTTP listens on %s without an API key: anyone who can reach it can generate (set --api-key)",
                 self.cfg.host,
             )
+        logging.getLogger("aiohttp.server").addFilter(self._malformed)
         self._runner = _Runner(
             self.app,
             self.guard,
@@ -155,6 +162,7 @@ class HttpServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        logging.getLogger("aiohttp.server").removeFilter(self._malformed)
 
     # ------------------------------------------------------------ middleware
 
