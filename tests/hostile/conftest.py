@@ -29,7 +29,7 @@ API_KEY = "hostile-test-key"
 NAN_SEED = 424242  # the sampler's fault hook poisons rows with this seed
 MAX_CONTEXT_LEN = 1024
 MAX_CONNECTIONS = 1100  # above the soft limit the server was started with (1024)
-REQUEST_TIMEOUT_S = 15.0
+REQUEST_TIMEOUT_S = 10.0
 OLD_SOFT_LIMIT, HARD_LIMIT = 1024, 4096
 CLIENT_SEND_QUEUE = 512  # replies queued for a client that does not read (the default is far more)
 

@@ -28,6 +28,7 @@ from himamba.services.tokenizer.http.errors import ApiError
 # Descriptors kept for the server itself when the cap is derived from the fd limit.
 FD_RESERVE = 256
 _MIN_CAP = 16
+_REFUSED_LINGER_S = 1.0
 
 
 def connection_cap(configured: int) -> int:
@@ -79,8 +80,7 @@ class ConnectionGuard:
                 self.refused += 1
                 if self.refused == 1 or self.refused % 1000 == 0:
                     self.log.warning("HTTP connection cap (%d) reached: refused %d connection(s) so far", self.cap, self.refused)
-                transport.write(self._refusal)
-                transport.close()
+                self._refuse(handler, transport)
                 return
             self.live[handler] = None
             self._arm(handler)
@@ -93,6 +93,16 @@ class ConnectionGuard:
 
         server.connection_made = connection_made  # type: ignore[method-assign]
         server.connection_lost = connection_lost  # type: ignore[method-assign]
+
+    def _refuse(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        # The request the client sends meanwhile is read and dropped (aiohttp ignores data on a
+        # connection being closed), then the connection closes: closing with that request
+        # unread would reset the connection and lose the 503 on its way.
+        handler._force_close = True
+        transport.write(self._refusal)
+        if transport.can_write_eof():
+            transport.write_eof()
+        asyncio.get_running_loop().call_later(_REFUSED_LINGER_S, transport.close)
 
     def _arm(self, handler: RequestHandler) -> None:
         old = self.live.get(handler)
