@@ -10,6 +10,7 @@ import json
 import select
 import socket
 import time
+from pathlib import Path
 
 from himamba.common.client import Client
 from tests.hostile.conftest import (
@@ -93,3 +94,9 @@ def test_many_idle_and_slow_connections_abort_nothing(hostile: Hostile) -> None:
     assert status == 200, body
     assert hostile.alive()
     assert "Traceback" not in hostile.server.log()
+
+
+def test_the_shipped_systemd_unit_sets_a_high_fd_limit() -> None:
+    unit = (Path(__file__).parents[2] / "configs" / "systemd" / "himamba@.service").read_text()
+    limits = [line.split("=", 1)[1] for line in unit.splitlines() if line.startswith("LimitNOFILE=")]
+    assert limits and int(limits[0].split(":")[-1]) >= 65536, limits

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from himamba.common.messages import CacheStats
-from himamba.services.bench.servers import ServerProcess
+from himamba.services.bench.servers import ServerProcess, instance_endpoints
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("worker", "cache", "scheduler", "tokenizer")
@@ -122,9 +122,9 @@ def supervised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervised]
     model = make_checkpoint("nemotron_h", tmp / "model", preset="tiny", seed=0)
     tag = uuid.uuid4().hex[:12]
     port = _free_port()
-    names = ("zmq_endpoint", "tokenizer_ipc", "scheduler_ipc", "worker_ipc", "cache_ipc", "control_ipc")
-    endpoint_map = {n: f"ipc://@himamba-test-{tag}-{n}" for n in names}
-    endpoints = "\n".join(f'{n} = "{e}"' for n, e in endpoint_map.items())
+    # The services find each other in the instance's private runtime directory.
+    endpoint_map = instance_endpoints(f"t-{tag}", str(tmp / "rt"))
+    endpoints = f'instance = "t-{tag}"\nruntime_dir = "{tmp / "rt"}"'
     config_path = tmp / "himamba.toml"
     config_path.write_text(
         f'[model]\nmodel = "{model}"\ntorch_threads = 1\n\n[endpoints]\n{endpoints}\n\n'
