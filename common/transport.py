@@ -17,6 +17,9 @@ from himamba.common.wire import Decoder, encode
 T = TypeVar("T")
 
 _LINGER_MS = 200
+# The largest frame an inbox accepts (a peer sending more is disconnected before decoding): far
+# above any real message (a batch's logits, a transfer order), but bounded.
+MAX_FRAME_BYTES = 1 << 30
 
 
 def new_context() -> zmq.asyncio.Context:
@@ -30,6 +33,7 @@ class Inbox(Generic[T]):
         self.endpoint = endpoint
         self.sock = ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self.sock.bind(endpoint)
         self._direct = zmq.Socket.shadow(self.sock.underlying)  # the same socket, without asyncio
         self.decoder: Decoder[T] = Decoder(type_)

@@ -150,7 +150,9 @@ class WorkerService(Actor[ToWorker]):
                 result, tensors = self.forward(msg, frames)
         except (WireError, ValueError, IndexError, RuntimeError) as e:
             self.log.error("batch %d failed: %s", msg.batch_id, e)
-            await self.scheduler.send(BatchDone(batch_id=msg.batch_id, next_tokens=[], error=str(e)))
+            # The client sees no exception text (it may hold internals); the log has it.
+            error = f"the forward failed ({type(e).__name__}; see the worker log)"
+            await self.scheduler.send(BatchDone(batch_id=msg.batch_id, next_tokens=[], error=error))
             return
         result = BatchDone(
             batch_id=result.batch_id,

@@ -42,7 +42,7 @@ def live(live_server: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def client(live: Any) -> Iterator[Client]:
-    with Client(live.endpoint, timeout_s=120) as c:
+    with Client(live.endpoint, timeout_s=120, api_key=live.api_key) as c:
         yield c
 
 
