@@ -25,7 +25,9 @@ Client -> server (`ClientRequest`):
   `presence_penalty`, `n` (samples of the prompt, 1 to 16; sample i uses `seed` + i when a seed
   is given), `logprobs` (bool). `api_key` (str): required when the server was started with
   `--api-key` (the same key HTTP clients send as a Bearer token); a request without it is
-  answered by an ErrorReply with code 401. `rid` is at most 256 characters.
+  answered by an ErrorReply with code 401. `rid` is at most 256 characters. A tcp:// client
+  endpoint is either CURVE-encrypted with an allow-list of client keys (`CurveKeys`) or marked
+  insecure by the operator.
 - ``{"type": "AbortGenerate", "rid": str}``: give up on a request (only this connection's own).
 
 Server -> client (`ClientReply`):
@@ -239,6 +241,26 @@ def _check_single(options: Mapping[str, object]) -> None:
         raise ValueError("n: generate() returns one completion; use generate_n() for n > 1")
 
 
+class CurveKeys(NamedTuple):
+    """CURVE for a server whose client endpoint is tcp:// with CURVE on: the server's public key
+    file and this client's key pair (zmq.auth's certificate files); the server must list this
+    client's public key."""
+
+    server_public_key_file: str
+    client_secret_key_file: str
+
+    def apply(self, sock: zmq.Socket) -> None:
+        import zmq.auth
+
+        server_public, _ = zmq.auth.load_certificate(self.server_public_key_file)
+        public, secret = zmq.auth.load_certificate(self.client_secret_key_file)
+        if secret is None:
+            raise ValueError(f"{self.client_secret_key_file} holds no secret key")
+        sock.curve_serverkey = server_public
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+
+
 def find_endpoint(endpoint: str | None = None, *, port: int = 0, instance: str = "") -> str:
     """The client endpoint: `endpoint` as given, else the server named by `instance` or by its
     HTTP `port` (default: the default port's), in this user's runtime directory."""
@@ -297,6 +319,7 @@ class Client:
         port: int = 0,
         instance: str = "",
         api_key: str = "",
+        curve: CurveKeys | None = None,
     ):
         self.endpoint = find_endpoint(endpoint, port=port, instance=instance)
         self.api_key = api_key
@@ -304,6 +327,8 @@ class Client:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            curve.apply(self._sock)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self._sock.connect(self.endpoint)
         self._connected = False
@@ -445,6 +470,7 @@ class AsyncClient:
         port: int = 0,
         instance: str = "",
         api_key: str = "",
+        curve: CurveKeys | None = None,
     ):
         self.endpoint = find_endpoint(endpoint, port=port, instance=instance)
         self.api_key = api_key
@@ -452,6 +478,8 @@ class AsyncClient:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            curve.apply(self._sock)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self._sock.connect(self.endpoint)
         self._connected = False

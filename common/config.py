@@ -131,6 +131,13 @@ class EndpointsConfig(_Section):
         PositiveInt,
         doc("Replies queued for a ZeroMQ client that does not read them; beyond, its requests are aborted."),
     ] = 65536
+    curve_secret_key_file: Annotated[
+        str,
+        doc("A tcp:// client endpoint with CURVE: the server's key pair (a zmq.auth .key_secret file)."),
+    ] = ""
+    curve_clients_dir: Annotated[
+        str, doc("With curve_secret_key_file: the directory of the public keys (.key) of the clients it accepts.")
+    ] = ""
     insecure_endpoints: Annotated[
         bool,
         doc("Allow tcp:// and abstract ipc://@ endpoints, which other hosts and local users can reach."),

@@ -123,9 +123,10 @@ def check_path_length(path: Path) -> None:
         )
 
 
-def _check_explicit(field: str, endpoint: str, insecure: bool) -> None:
+def _check_explicit(field: str, endpoint: str, insecure: bool, curve: bool = False) -> None:
     """An endpoint the operator set: filesystem unix sockets are theirs to place; the others
-    reach beyond this user and need `insecure_endpoints`."""
+    reach beyond this user and need `insecure_endpoints` (or, for the client endpoint over
+    tcp, CURVE keys: `curve`)."""
     if endpoint.startswith("ipc://@"):
         if not insecure:
             raise RuntimeDirError(
@@ -135,10 +136,11 @@ def _check_explicit(field: str, endpoint: str, insecure: bool) -> None:
     elif endpoint.startswith("ipc://"):
         check_path_length(Path(endpoint[len("ipc://") :]))
     elif endpoint.startswith("tcp://"):
-        if not insecure:
+        if not (insecure or curve):
+            hint = " (or curve_secret_key_file and curve_clients_dir)" if field == "zmq_endpoint" else ""
             raise RuntimeDirError(
                 f"{field}: {endpoint} is reachable from the network without authentication; leave it unset "
-                f"(a private unix socket) or set insecure_endpoints"
+                f"(a private unix socket){hint} or set insecure_endpoints"
             )
     else:
         raise RuntimeDirError(f"{field}: {endpoint!r} must be ipc:///path or tcp://host:port")
@@ -151,10 +153,16 @@ def resolve_endpoints(cfg: Config) -> Config:
     ep = cfg.endpoints
     directory = ensure_private_dir(runtime_base(ep.runtime_dir) / name)
     filled: dict[str, str] = {"instance": name}
+    if bool(ep.curve_secret_key_file) != bool(ep.curve_clients_dir):
+        raise RuntimeDirError("curve_secret_key_file and curve_clients_dir go together: set both or neither")
+    for path in (ep.curve_secret_key_file, ep.curve_clients_dir):
+        if path and not os.path.exists(path):
+            raise RuntimeDirError(f"CURVE: {path} does not exist")
     for field in SOCKETS:
         value = getattr(ep, field)
         if value:
-            _check_explicit(field, value, ep.insecure_endpoints)
+            curve = field == "zmq_endpoint" and bool(ep.curve_secret_key_file)
+            _check_explicit(field, value, ep.insecure_endpoints, curve)
         else:
             filled[field] = socket_endpoint(directory, field)
     return msgspec.structs.replace(cfg, endpoints=msgspec.structs.replace(ep, **filled))

@@ -105,6 +105,10 @@ def start_server(
         instance = f"t-{uuid.uuid4().hex[:12]}"
         args += ["--instance", instance]
     endpoints = instance_endpoints(instance, _flag_value(flags, "--runtime-dir") or "")
+    for name in ENDPOINT_FIELDS:  # endpoints set one by one
+        given = _flag_value(flags, "--" + name.replace("_", "-"))
+        if given:
+            endpoints[name] = given
     if "--torch-threads" not in flags:
         args += ["--torch-threads", "1"]
     if "--port" not in flags:

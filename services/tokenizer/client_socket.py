@@ -25,6 +25,8 @@ from typing import Any, NamedTuple
 
 import zmq
 import zmq.asyncio
+import zmq.auth
+from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
 
@@ -33,6 +35,27 @@ class ClientMessage(NamedTuple):
 
     identity: bytes
     frames: list[Any]
+
+
+class CurveServer(NamedTuple):
+    """CURVE for a tcp:// client endpoint: the server's key pair, and the clients it accepts
+    (a ZAP allow-list of their public keys; any other client fails the handshake)."""
+
+    secret_key_file: str
+    clients_dir: str
+
+
+def _start_curve(ctx: zmq.asyncio.Context, router: zmq.asyncio.Socket, curve: CurveServer) -> AsyncioAuthenticator:
+    public, secret = zmq.auth.load_certificate(curve.secret_key_file)
+    if secret is None:
+        raise ValueError(f"{curve.secret_key_file} holds no secret key")
+    auth = AsyncioAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve(domain="*", location=curve.clients_dir)
+    router.curve_secretkey = secret
+    router.curve_publickey = public
+    router.curve_server = True
+    return auth
 
 
 class ClientGone(NamedTuple):
@@ -50,9 +73,13 @@ class ClientSocket:
         endpoint: str,
         max_message_bytes: int = 16 << 20,
         send_queue: int = 1 << 16,
+        curve: CurveServer | None = None,
     ):
         self.endpoint = endpoint
         self.router = ctx.socket(zmq.ROUTER)
+        self._auth = None
+        if curve is not None:
+            self._auth = _start_curve(ctx, self.router, curve)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.SNDHWM, send_queue)
@@ -116,6 +143,8 @@ class ClientSocket:
                     self._gone.append(owner)
 
     def close(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
         try:
             self.router.disable_monitor()
         except zmq.ZMQError:

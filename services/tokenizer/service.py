@@ -57,6 +57,7 @@ from himamba.services.tokenizer.client_socket import (
     ClientGone,
     ClientMessage,
     ClientSocket,
+    CurveServer,
 )
 from himamba.services.tokenizer.http.chat_template import (
     ChatTemplate,
@@ -147,8 +148,10 @@ class TokenizerService(Actor[ToTokenizer]):
         self._worker = Outbox(self.ctx, self.cfg.endpoints.worker_ipc)
         await self._worker.send(Hello(service=self.name, pid=os.getpid()))
         max_bytes = CLIENT_BYTES_PER_CONTEXT_TOKEN * self.cfg.model.max_context_len + (1 << 20)
+        ep = self.cfg.endpoints
+        curve = CurveServer(ep.curve_secret_key_file, ep.curve_clients_dir) if ep.curve_secret_key_file else None
         self._clients = ClientSocket(
-            self.ctx, self.cfg.endpoints.zmq_endpoint, max_message_bytes=max_bytes, send_queue=self.cfg.endpoints.client_send_queue
+            self.ctx, ep.zmq_endpoint, max_message_bytes=max_bytes, send_queue=ep.client_send_queue, curve=curve
         )
         detail = f"vocab {self._vocab_size}, eos {self._eos_token_ids}, clients at {self.cfg.endpoints.zmq_endpoint}"
         if self.cfg.http.port:

@@ -1,0 +1,53 @@
+"""A tcp:// client endpoint is CURVE-encrypted with an allow-list of client keys: a listed client
+is served; a plain client, or one whose key is not listed, never gets past the handshake."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import zmq.auth
+
+from himamba.common.client import Client, CurveKeys
+from himamba.services.bench.servers import start_server
+from himamba.services.modelgen.checkpoint import make_checkpoint
+from tests.http_request import free_port
+
+
+def test_curve_client_endpoint_serves_only_listed_clients(tmp_path: Path) -> None:
+    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
+    keys.mkdir()
+    allowed.mkdir()
+    _, server_secret = zmq.auth.create_certificates(str(keys), "server")
+    client_public, client_secret = zmq.auth.create_certificates(str(keys), "client")
+    _, stranger_secret = zmq.auth.create_certificates(str(keys), "stranger")
+    Path(client_public).rename(allowed / "client.key")
+    model = make_checkpoint("nemotron_h", tmp_path / "model", preset="tiny", seed=0)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    server = start_server(
+        model, tmp_path / "logs", "--instance", "curve-test", "--zmq-endpoint", endpoint,
+        "--curve-secret-key-file", server_secret, "--curve-clients-dir", str(allowed),
+        "--hicache-storage-backend", "none",
+    )  # fmt: skip
+    try:
+        assert server.endpoint == endpoint
+        server_public = str(keys / "server.key")
+        with Client(endpoint, timeout_s=60, curve=CurveKeys(server_public, client_secret)) as c:
+            assert c.wait_connected(10)
+            assert len(c.generate(input_ids=[5, 6, 7], max_tokens=3, ignore_eos=True).token_ids) == 3
+        with Client(endpoint, timeout_s=5) as c:
+            assert not c.wait_connected(2), "a plain client got through"
+        with Client(endpoint, timeout_s=5, curve=CurveKeys(server_public, stranger_secret)) as c:
+            assert not c.wait_connected(2), "a client whose key is not listed got through"
+        assert server.proc.poll() is None
+    finally:
+        server.stop()
+
+
+def test_tcp_without_curve_or_the_insecure_mark_is_refused(tmp_path: Path) -> None:
+    from himamba.common.config import load
+    from himamba.common.runtime_dir import RuntimeDirError, resolve_endpoints
+
+    cfg = load(overrides={"endpoints": {"instance": "x", "runtime_dir": str(tmp_path), "zmq_endpoint": "tcp://0.0.0.0:5555"}})
+    with pytest.raises(RuntimeDirError, match="curve_secret_key_file"):
+        resolve_endpoints(cfg)
