@@ -162,6 +162,14 @@ def test_http_values_that_cannot_sample_are_a_400_naming_the_field(hostile: Host
     assert param in err["message"] and err["param"] == param, err
 
 
+def test_a_huge_chat_is_refused_before_it_is_tokenized(hostile: Hostile) -> None:
+    body = {"messages": [{"role": "user", "content": "ab " * 200_000}], "max_tokens": 2}
+    r = hostile.post("/v1/chat/completions", body)
+    assert r.status == 400, r.body[:300]
+    err = r.json()["error"]
+    assert err["param"] == "messages" and "characters" in err["message"], err
+
+
 def test_a_malformed_http_request_line_is_a_400_without_a_traceback(hostile: Hostile) -> None:
     tracebacks = hostile.server.log().count("Traceback")
     for raw in (b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n", b"\x00\x01\x02\r\n\r\n"):

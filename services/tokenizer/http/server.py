@@ -46,6 +46,7 @@ from himamba.services.tokenizer.http.connections import (
 from himamba.services.tokenizer.http.errors import ApiError, param_of_message
 from himamba.services.tokenizer.http.responses import Kind, ResponseBuilder
 from himamba.services.tokenizer.local_clients import ReplyStream
+from himamba.services.tokenizer.prepare import MAX_CHARS_PER_TOKEN
 from himamba.services.tokenizer.peers import Readiness
 
 _ROUTES = {
@@ -274,6 +275,13 @@ class HttpServer:
             )
         except TemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
+        if len(text) > MAX_CHARS_PER_TOKEN * self.door.max_context_len:  # checked before tokenizing
+            raise ApiError(
+                400,
+                f"messages render to {len(text)} characters: more than max_context_len {self.door.max_context_len} "
+                f"tokens can hold ({MAX_CHARS_PER_TOKEN} characters per token at most)",
+                param="messages",
+            )
         # The template writes the special tokens itself (as HF's apply_chat_template does).
         input_ids = self.door.tokenizer.encode(text, add_special_tokens=False).ids
         if not input_ids:
