@@ -100,3 +100,14 @@ def test_the_shipped_systemd_unit_sets_a_high_fd_limit() -> None:
     unit = (Path(__file__).parents[2] / "configs" / "systemd" / "himamba@.service").read_text()
     limits = [line.split("=", 1)[1] for line in unit.splitlines() if line.startswith("LimitNOFILE=")]
     assert limits and int(limits[0].split(":")[-1]) >= 65536, limits
+
+
+def test_the_connection_cap_stays_below_the_fd_limit() -> None:
+    import resource
+
+    from himamba.services.tokenizer.http.connections import FD_RESERVE, connection_cap
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert connection_cap(0) == soft - FD_RESERVE
+    assert connection_cap(10**9) == soft - FD_RESERVE  # an operator's cap above the limit is lowered
+    assert connection_cap(100) == 100

@@ -32,13 +32,13 @@ _REFUSED_LINGER_S = 1.0
 
 
 def connection_cap(configured: int) -> int:
-    """The configured cap, or the soft fd limit less a reserve for the server's own files."""
-    if configured:
-        return configured
+    """The configured cap, or the soft fd limit less a reserve for the server's own files; never
+    more than that (past it, a ZeroMQ socket could not get a descriptor and libzmq aborts)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20
-    return max(_MIN_CAP, soft - FD_RESERVE)
+    room = max(_MIN_CAP, soft - FD_RESERVE)
+    return min(configured, room) if configured else room
 
 
 def _refusal(status: int, reason: str, message: str, code: str) -> bytes:
