@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,17 +17,24 @@ import msgspec
 import zmq
 
 from himamba.common.messages import CacheStats, GetCacheStats
-from himamba.common.runtime_dir import runtime_base, socket_endpoint
+from himamba.common.runtime_dir import ensure_private_dir, runtime_base, socket_endpoint
 from himamba.common.wire import encode
 
 ENDPOINT_FIELDS = ("zmq_endpoint", "tokenizer_ipc", "scheduler_ipc", "worker_ipc", "cache_ipc", "control_ipc")
 
 
 def unique_endpoints(prefix: str = "himamba-run") -> dict[str, str]:
-    """Abstract endpoints for services run in-process by tests (a served `himamba serve` uses
-    its instance's private directory instead: `instance_endpoints`)."""
+    """A fresh instance's endpoints section for services started by hand (benches, in-process
+    tests): its name, a private runtime directory of its own, and the sockets in it."""
     tag = uuid.uuid4().hex[:12]
-    return {n: f"ipc://@{prefix}-{tag}-{n}" for n in ENDPOINT_FIELDS}
+    instance = f"{prefix}-{tag}"
+    runtime_dir = tempfile.mkdtemp(prefix="himamba-ep-")  # 0700, ours
+    directory = ensure_private_dir(Path(runtime_dir) / instance)
+    return {
+        "instance": instance,
+        "runtime_dir": runtime_dir,
+        **{n: socket_endpoint(directory, n) for n in ENDPOINT_FIELDS},
+    }
 
 
 def instance_endpoints(instance: str, runtime_dir: str = "") -> dict[str, str]:
