@@ -30,6 +30,9 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
 
+_POLL_MS = 200
+
+
 class ClientMessage(NamedTuple):
     """A message from a client: its identity and the frames after it (normally one payload)."""
 
@@ -102,7 +105,9 @@ class ClientSocket:
             try:
                 frames = await self.router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                await self._poller.poll()
+                # Bounded: ZeroMQ's descriptor is edge-triggered, and an edge consumed by a send on
+                # this socket must not leave a waiting message unread until the next arrival.
+                await self._poller.poll(timeout=_POLL_MS)
                 continue
             identity = frames[0].bytes
             fd = _source_fd(frames[0])
