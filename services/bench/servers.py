@@ -4,6 +4,7 @@ the cache controller's stats probe, and stop by PID (process group) so nothing o
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,6 +60,7 @@ class ServerProcess:
     proc: subprocess.Popen[bytes]
     endpoints: dict[str, str]
     log_path: Path
+    own_instance_dir: Path | None = None  # a runtime directory made for this run: removed after it stops
 
     @property
     def endpoint(self) -> str:
@@ -93,6 +95,8 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        if self.own_instance_dir is not None:
+            shutil.rmtree(self.own_instance_dir, ignore_errors=True)
         return self.proc.returncode
 
 
@@ -109,9 +113,11 @@ def start_server(
     adds to the environment."""
     instance = _flag_value(flags, "--instance")
     args = [*wrapper, *himamba_command(), "serve", "--model", str(model_dir)]
+    own_dir = None
     if instance is None:
         instance = f"t-{uuid.uuid4().hex[:12]}"
         args += ["--instance", instance]
+        own_dir = runtime_base(_flag_value(flags, "--runtime-dir") or "") / instance
     endpoints = instance_endpoints(instance, _flag_value(flags, "--runtime-dir") or "")
     for name in ENDPOINT_FIELDS:  # endpoints set one by one
         given = _flag_value(flags, "--" + name.replace("_", "-"))
@@ -131,7 +137,7 @@ def start_server(
     full_env = dict(os.environ, PYTHONSAFEPATH="1", **(env or {}))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
-    server = ServerProcess(proc, endpoints, log_path)
+    server = ServerProcess(proc, endpoints, log_path, own_dir)
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
         if "himamba is ready" in server.log():
