@@ -303,29 +303,31 @@ class CacheController:
         self.storage.start(op.rid, list(op.tokens), p.cached_len, p.host_len)
         return PrefetchStarted(rid=op.rid, started=op.rid in self.storage.prefetches)
 
+    def _fits(self, node: TreeNode, pages: int, slots: int) -> bool:
+        """Whether `pages` device pages and `slots` state slots can be had with `node` locked as the
+        request will hold it (what stays evictable can all be had). Changes nothing."""
+        assert self.tree is not None
+        receipt = self.tree.lock(node) if node is not self.tree.root else None
+        try:
+            return self.pages_available() >= pages and self.slots_available() >= slots
+        finally:
+            if receipt is not None:
+                self.tree.unlock(receipt)
+
     def _plan_admit(self, m: MatchResult, need_pages: int, need_slots: int) -> _AdmitPlan | None:
         """The deepest hit that fits in what is free or evictable, or None when even a plain
         prefill does not fit. Decides without evicting or allocating anything."""
         assert self.tree is not None
         ps = self.page_size
-        root = self.tree.root
-        # With the hit's device part locked (as the request will hold it), what is left evictable
-        # can all be had.
-        receipt = self.tree.lock(m.node)
-        try:
-            pages, slots = self.pages_available(), self.slots_available()
-        finally:
-            self.tree.unlock(receipt)
-        wants_load = m.state_tier == "host" or m.host_len > 0
-        if wants_load:
+        if m.state_tier == "host" or m.host_len > 0:
+            # Load root..node's host part back: pages for it and for the rest, a slot for a host state.
             load_state = 1 if m.state_tier == "host" else 0
-            if pages >= need_pages - m.device_len // ps and slots >= need_slots + load_state:
+            if self._fits(m.node, need_pages - m.device_len // ps, need_slots + load_state):
                 return _AdmitPlan(m.node, m.cached_len, True)
-        if m.device_cached_len > 0 and pages >= need_pages - m.device_cached_len // ps and slots >= need_slots:
+        if m.device_cached_len > 0 and self._fits(m.device_node, need_pages - m.device_cached_len // ps, need_slots):
             return _AdmitPlan(m.device_node, m.device_cached_len, False)
-        # Without a hit: the locked path above was counted as unavailable, so count it back in.
-        if self.pages_available() >= need_pages and self.slots_available() >= need_slots:
-            return _AdmitPlan(root, 0, False)
+        if self._fits(self.tree.root, need_pages, need_slots):
+            return _AdmitPlan(self.tree.root, 0, False)
         return None
 
     def admit(self, op: Admit) -> Admitted:
