@@ -136,3 +136,83 @@ def causal_conv1d_update(bias: bool, rows: str, dtype: torch.dtype) -> int:
     want = ref("conv1d").causal_conv1d_update(x, want_state, weight, b)
     got = twin("conv1d").causal_conv1d_update(x, state, weight, b)
     return check(got, want, dtype) + check(state, want_state, dtype)
+
+
+# -------------------------------------------------------------------------------------------- ssd
+
+
+def _ssd_inputs(batch: int, length: int, heads: int, head_dim: int, groups: int, dtype=torch.float32) -> dict:
+    state_size = 16
+    return {
+        "x": rand(batch, length, heads, head_dim, seed=1, dtype=dtype),
+        "dt": rand(batch, length, heads, seed=2, dtype=dtype),
+        "A": -torch.exp(rand(heads, seed=3)),
+        "B": rand(batch, length, groups, state_size, seed=4, dtype=dtype),
+        "C": rand(batch, length, groups, state_size, seed=5, dtype=dtype),
+        "D": rand(heads, seed=6),
+        "dt_bias": rand(heads, seed=7),
+        "initial_state": rand(batch, heads, head_dim, state_size, seed=8),
+    }
+
+
+@case(length=[1, 16, 37, 70], groups=[1, 2], init=[True, False])
+def ssd_scan(length: int, groups: int, init: bool) -> int:
+    args = _ssd_inputs(2, length, 4, 16, groups)
+    if not init:
+        args["initial_state"] = None
+    want = ref("ssd").ssd_scan(chunk_size=16, **args)
+    got = twin("ssd").ssd_scan(chunk_size=16, **args)
+    assert type(got) is type(want)
+    return check(got.y, want.y, scale=5) + check(got.final_state, want.final_state, scale=5)
+
+
+@case(head_dim=[64, 128], options=["plain", "limit", "no-softplus"], dtype=[torch.float32, torch.float16])
+def ssd_scan_options(head_dim: int, options: str, dtype: torch.dtype) -> int:
+    args = _ssd_inputs(1, 40, 2, head_dim, 1, dtype)
+    kw = {"dt_limit": (0.05, 2.0)} if options == "limit" else {}
+    if options == "no-softplus":
+        kw = {"dt_softplus": False, "D": None}
+        args["dt"] = args["dt"].abs()
+    args |= kw
+    want = ref("ssd").ssd_scan(chunk_size=256, **args)
+    got = twin("ssd").ssd_scan(chunk_size=256, **args)
+    return check(got.y, want.y, dtype, scale=5) + check(got.final_state, want.final_state, scale=50)
+
+
+@case(offset=[0, 16, 36], layout=["segment-views"])
+def ssd_scan_capture_offsets(offset: int, layout: str) -> int:
+    """Capture offsets as the worker takes them (at 0, a chunk boundary, the last token): the prefill
+    is cut into segments there, each continuing from the last's final state; the state at the cut is
+    the reference's over the first part and the outputs equal one pass over the whole."""
+    length = 37
+    args = _ssd_inputs(1, length, 4, 16, 2)
+    whole = ref("ssd").ssd_scan(chunk_size=16, **args)
+    head = {k: (v[:, :offset] if k in ("x", "dt", "B", "C") else v) for k, v in args.items()}
+    tail = {k: (v[:, offset:] if k in ("x", "dt", "B", "C") else v) for k, v in args.items()}
+    first = twin("ssd").ssd_scan(chunk_size=16, **head)
+    second = twin("ssd").ssd_scan(chunk_size=16, **(tail | {"initial_state": first.final_state}))
+    want_mid = ref("ssd").ssd_scan(chunk_size=16, **head).final_state
+    return (
+        check(first.final_state, want_mid, scale=5)
+        + check(torch.cat([first.y, second.y], dim=1), whole.y, scale=5)
+        + check(second.final_state, whole.final_state, scale=5)
+    )
+
+
+@case(groups=[1, 2], rows=["pool", "gathered"], limit=[False, True])
+def selective_state_update(groups: int, rows: str, limit: bool) -> int:
+    batch, heads, head_dim, state_size = 3, 4, 16, 16
+    pool = rand(8, heads, head_dim, state_size, seed=1)
+    state = pool.narrow(0, 3, batch) if rows == "pool" else pool.index_select(0, torch.tensor([6, 1, 4]))
+    # x, B and C as the Mamba2 layer passes them: reshaped column splits of one projection.
+    xbc = rand(batch, heads * head_dim + 2 * groups * state_size + 5, seed=2)
+    x = xbc[:, : heads * head_dim].reshape(batch, heads, head_dim)
+    b = xbc[:, heads * head_dim : heads * head_dim + groups * state_size].reshape(batch, groups, state_size)
+    c = xbc[:, heads * head_dim + groups * state_size : -5].reshape(batch, groups, state_size)
+    dt = columns(rand(batch, heads, seed=3), 3, seed=4)
+    A, D, bias = -torch.exp(rand(heads, seed=5)), rand(heads, seed=6), rand(heads, seed=7)
+    kw = {"dt_limit": (0.1, 1.0)} if limit else {}
+    want_state = state.clone()
+    want = ref("ssd").selective_state_update(want_state, x, dt, A, b, c, D, bias, **kw)
+    got = twin("ssd").selective_state_update(state, x, dt, A, b, c, D, bias, **kw)
+    return check(got, want) + check(state, want_state)
