@@ -216,3 +216,56 @@ def selective_state_update(groups: int, rows: str, limit: bool) -> int:
     want = ref("ssd").selective_state_update(want_state, x, dt, A, b, c, D, bias, **kw)
     got = twin("ssd").selective_state_update(state, x, dt, A, b, c, D, bias, **kw)
     return check(got, want) + check(state, want_state)
+
+
+# -------------------------------------------------------------------------------------- attention
+
+POOL_SLOTS = 400
+
+
+def _pool(kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return rand(POOL_SLOTS, kv_heads, head_dim, seed=11, dtype=dtype), rand(POOL_SLOTS, kv_heads, head_dim, seed=12, dtype=dtype)
+
+
+def _slots(count: int, seed: int) -> torch.Tensor:
+    """Scattered token slots, as pages of a fragmented pool give them."""
+    return torch.randperm(POOL_SLOTS, generator=torch.Generator().manual_seed(seed))[:count]
+
+
+@case(prefix=[0, 31, 64], new=[1, 33], gqa=["8:2", "4:4"], head_dim=[64, 128])
+def paged_attention_prefill(prefix: int, new: int, gqa: str, head_dim: int) -> int:
+    q_heads, kv_heads = map(int, gqa.split(":"))
+    dtype = torch.float32
+    k_cache, v_cache = _pool(kv_heads, head_dim, dtype)
+    slots = _slots(prefix + new, seed=prefix * 7 + new)
+    q = rand(new, q_heads, head_dim, seed=13, dtype=dtype)
+    want = ref("attention").paged_attention_prefill(q, k_cache, v_cache, slots, prefix, head_dim**-0.5)
+    got = twin("attention").paged_attention_prefill(q, k_cache, v_cache, slots, prefix, head_dim**-0.5)
+    return check(got, want, scale=5)
+
+
+@case(gqa=["8:2", "4:4", "6:1"], head_dim=[64, 128], dtype=[torch.float32, torch.float16])
+def paged_attention_decode(gqa: str, head_dim: int, dtype: torch.dtype) -> int:
+    q_heads, kv_heads = map(int, gqa.split(":"))
+    k_cache, v_cache = _pool(kv_heads, head_dim, dtype)
+    # Ragged lengths around the kernel's 32-key blocks (and 16-token pages): 1, 16, 32, 33, 70.
+    lens = torch.tensor([1, 16, 32, 33, 70])
+    table = _slots(5 * 70, seed=3).view(5, 70)
+    q = rand(5, q_heads, head_dim, seed=4, dtype=dtype)
+    want = ref("attention").paged_attention_decode(q, k_cache, v_cache, table, lens, head_dim**-0.5)
+    got = twin("attention").paged_attention_decode(q, k_cache, v_cache, table, lens, head_dim**-0.5)
+    return check(got, want, dtype, scale=5)
+
+
+@case(dtype=[torch.float32, torch.float16], kv_layout=["split-view", "contiguous"])
+def write_kv(dtype: torch.dtype, kv_layout: str) -> int:
+    k_cache, v_cache = _pool(2, 64, dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    slots = _slots(9, seed=5)
+    kv = rand(9, 2 * 2 * 64 + 8, seed=6)  # a fused k|v projection, in float32 (cast on write)
+    k, v = kv[:, :128].view(9, 2, 64), kv[:, 128:256].view(9, 2, 64)
+    if kv_layout == "contiguous":
+        k, v = k.contiguous(), v.contiguous()
+    ref("attention").write_kv(want_k, want_v, slots, k, v)
+    twin("attention").write_kv(k_cache, v_cache, slots, k, v)
+    return check(k_cache, want_k, dtype) + check(v_cache, want_v, dtype)
