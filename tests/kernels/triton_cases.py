@@ -269,3 +269,108 @@ def write_kv(dtype: torch.dtype, kv_layout: str) -> int:
     ref("attention").write_kv(want_k, want_v, slots, k, v)
     twin("attention").write_kv(k_cache, v_cache, slots, k, v)
     return check(k_cache, want_k, dtype) + check(v_cache, want_v, dtype)
+
+
+# --------------------------------------------------------------------------------- mamba1 scan
+
+
+def _mamba1_inputs(batch: int, length: int, channels: int, dtype=torch.float32) -> dict:
+    state_size = 16
+    # u and z as Mamba1's in_proj(x).chunk(2) gives them: strided halves of one projection.
+    uz = rand(batch, length, 2 * channels, seed=1, dtype=dtype)
+    return {
+        "u": uz[..., :channels],
+        "delta": rand(batch, length, channels, seed=2, dtype=dtype),
+        "A": -torch.exp(rand(channels, state_size, seed=3)),
+        "B": rand(batch, length, state_size, seed=4, dtype=dtype),
+        "C": rand(batch, length, state_size, seed=5, dtype=dtype),
+        "D": rand(channels, seed=6),
+        "z": uz[..., channels:],
+        "delta_bias": rand(channels, seed=7),
+        "initial_state": rand(batch, channels, state_size, seed=8),
+    }
+
+
+@case(length=[1, 9, 70], channels=[24], options=["all", "bare"])
+def selective_scan(length: int, channels: int, options: str) -> int:
+    return _mamba1_scan(length, channels, options)
+
+
+@case(length=[33], channels=[160], options=["all"])  # several channel blocks
+def selective_scan_wide(length: int, channels: int, options: str) -> int:
+    return _mamba1_scan(length, channels, options)
+
+
+def _mamba1_scan(length: int, channels: int, options: str) -> int:
+    args = _mamba1_inputs(2, length, channels)
+    if options == "bare":
+        args |= {"D": None, "z": None, "delta_bias": None, "initial_state": None, "delta_softplus": False}
+        args["delta"] = args["delta"].abs()
+    want = ref("selective_scan").selective_scan(**args)
+    got = twin("selective_scan").selective_scan(**args)
+    assert type(got) is type(want)
+    return check(got.y, want.y, scale=5) + check(got.final_state, want.final_state, scale=5)
+
+
+@case(options=["all", "bare"], dtype=[torch.float32, torch.float16])
+def selective_state_update_mamba1(options: str, dtype: torch.dtype) -> int:
+    args = {k: (v[:, 0] if k in ("u", "delta", "B", "C", "z") else v) for k, v in _mamba1_inputs(3, 1, 40, dtype).items()}
+    state = args.pop("initial_state")
+    x, dt, bias = args.pop("u"), args.pop("delta"), args.pop("delta_bias")
+    kw = {"D": args["D"], "z": args["z"], "dt_bias": bias}
+    if options == "bare":
+        kw = {"dt_softplus": False}
+        dt = dt.abs()
+    want_state = state.clone()
+    want = ref("selective_scan").selective_state_update_mamba1(want_state, x, dt, args["A"], args["B"], args["C"], **kw)
+    got = twin("selective_scan").selective_state_update_mamba1(state, x, dt, args["A"], args["B"], args["C"], **kw)
+    return check(got, want, dtype) + check(state, want_state)
+
+
+# ---------------------------------------------------------------------------------- delta rule
+
+
+def _delta_inputs(batch: int, length: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int, dtype=torch.float32):
+    # q, k, v as Qwen3-Next's layer passes them: views into one projection, [.., heads, dim] each.
+    width = 2 * k_heads * k_dim + v_heads * v_dim
+    qkv = rand(batch, length, width, seed=1, dtype=dtype)
+    q = qkv[..., : k_heads * k_dim].unflatten(-1, (k_heads, k_dim))
+    k = qkv[..., k_heads * k_dim : 2 * k_heads * k_dim].unflatten(-1, (k_heads, k_dim))
+    v = qkv[..., 2 * k_heads * k_dim :].unflatten(-1, (v_heads, v_dim))
+    g = -torch.nn.functional.softplus(rand(batch, length, v_heads, seed=2))
+    beta = rand(batch, length, v_heads, seed=3).sigmoid()
+    init = rand(batch, v_heads, k_dim, v_dim, seed=4) * 0.1
+    return q, k, v, g, beta, init
+
+
+@case(length=[1, 19], heads=["2:4", "2:2"], init=[True, False], l2norm=[True])
+def chunk_gated_delta_rule(length: int, heads: str, init: bool, l2norm: bool) -> int:
+    return _chunk_delta(length, heads, init, l2norm)
+
+
+@case(length=[40], heads=["1:2"], init=[True], l2norm=[False])
+def chunk_gated_delta_rule_long(length: int, heads: str, init: bool, l2norm: bool) -> int:
+    return _chunk_delta(length, heads, init, l2norm)
+
+
+def _chunk_delta(length: int, heads: str, init: bool, l2norm: bool) -> int:
+    k_heads, v_heads = map(int, heads.split(":"))
+    q, k, v, g, beta, state = _delta_inputs(2, length, k_heads, v_heads, 16, 48)
+    kw = {"initial_state": state if init else None, "use_qk_l2norm": l2norm, "scale": None if l2norm else 0.05}
+    want = ref("delta_rule").chunk_gated_delta_rule(q, k, v, g, beta, 16, **kw)
+    got = twin("delta_rule").chunk_gated_delta_rule(q, k, v, g, beta, 16, **kw)
+    assert type(got) is type(want)
+    return check(got.out, want.out, scale=10) + check(got.final_state, want.final_state, scale=10)
+
+
+@case(dims=["64:64", "128:128"], rows=["pool", "gathered"], dtype=[torch.float32, torch.float16])
+def recurrent_gated_delta_rule_update(dims: str, rows: str, dtype: torch.dtype) -> int:
+    k_dim, v_dim = map(int, dims.split(":"))
+    q, k, v, g, beta, _ = _delta_inputs(3, 1, 2, 4, k_dim, v_dim, dtype)
+    q, k, v, g, beta = (t[:, 0] for t in (q, k, v, g, beta))
+    pool = rand(6, 4, k_dim, v_dim, seed=9) * 0.1
+    state = pool.narrow(0, 1, 3) if rows == "pool" else pool.index_select(0, torch.tensor([4, 0, 2]))
+    want_state = state.clone()
+    want = ref("delta_rule").recurrent_gated_delta_rule_update(q, k, v, g, beta, want_state)
+    got = twin("delta_rule").recurrent_gated_delta_rule_update(q, k, v, g, beta, state)
+    return check(got, want, dtype) + check(state, want_state, scale=5)
