@@ -374,3 +374,59 @@ def recurrent_gated_delta_rule_update(dims: str, rows: str, dtype: torch.dtype) 
     want = ref("delta_rule").recurrent_gated_delta_rule_update(q, k, v, g, beta, want_state)
     got = twin("delta_rule").recurrent_gated_delta_rule_update(q, k, v, g, beta, state)
     return check(got, want, dtype) + check(state, want_state, scale=5)
+
+
+# ------------------------------------------------------------------------------------------- moe
+
+
+@case(family=["qwen3-next", "jamba", "nemotron-h"], experts=[16, 64])
+def moe_route(family: str, experts: int) -> int:
+    return _route(family, experts)
+
+
+@case(family=["nemotron-h-one-per-group"], experts=[16])  # unrolls a loop per group: kept small
+def moe_route_groups(family: str, experts: int) -> int:
+    return _route(family, experts)
+
+
+def _route(family: str, experts: int) -> int:
+    logits = rand(23, experts, seed=1)
+    bias = rand(experts, seed=2) * 0.1
+    kw = {
+        "qwen3-next": {"top_k": 4, "scoring": "softmax", "norm_topk_prob": True},
+        "jamba": {"top_k": 2, "scoring": "softmax", "norm_topk_prob": False},
+        "nemotron-h": {"top_k": 4, "scoring": "sigmoid", "norm_topk_prob": True, "bias": bias,
+                       "routed_scaling_factor": 2.5, "n_group": 4, "topk_group": 2},
+        "nemotron-h-one-per-group": {"top_k": 3, "scoring": "sigmoid", "norm_topk_prob": True, "bias": bias,
+                                     "n_group": experts, "topk_group": 5},
+    }[family]  # fmt: skip
+    want = ref("moe").moe_route(logits, **kw)
+    got = twin("moe").moe_route(logits, **kw)
+    assert type(got) is type(want)
+    assert torch.equal(got.experts, want.experts), (got.experts, want.experts)
+    return check(got.weights, want.weights) + 1
+
+
+@case(activation=["silu", "gelu", "gelu_pytorch_tanh"], gated=[True], dtype=[torch.float32, torch.float16])
+def moe_experts(activation: str, gated: bool, dtype: torch.dtype) -> int:
+    return _experts(activation, gated, dtype)
+
+
+@case(activation=["relu2", "relu"], gated=[False], dtype=[torch.float32])
+def moe_experts_plain(activation: str, gated: bool, dtype: torch.dtype) -> int:
+    return _experts(activation, gated, dtype)
+
+
+def _experts(activation: str, gated: bool, dtype: torch.dtype) -> int:
+    tokens, hidden, inter, num_experts, top_k = 37, 48, 24, 8, 2
+    x = rand(tokens, hidden, seed=1, dtype=dtype)
+    # Experts 5 and 6 get no token; expert 0 gets more than one 16-row block.
+    logits = rand(tokens, num_experts, seed=2)
+    logits[:, 5:7] = -30.0
+    logits[:20, 0] = 30.0
+    routing = ref("moe").moe_route(logits, top_k, "softmax", True)
+    up = rand(num_experts, (2 if gated else 1) * inter, hidden, seed=3, dtype=dtype) * 0.2
+    down = rand(num_experts, hidden, inter, seed=4, dtype=dtype) * 0.2
+    want = ref("moe").moe_experts(x, routing, up, down, activation, gated)
+    got = twin("moe").moe_experts(x, routing, up, down, activation, gated)
+    return check(got, want, dtype, scale=5)
