@@ -27,6 +27,7 @@ from .reference import moe as _moe
 from .reference import norm as _norm
 from .reference import selective_scan as _selective_scan
 from .reference import ssd as _ssd
+from .reference import state_rows as _state_rows
 from .reference.conv1d import ConvResult
 from .reference.delta_rule import DeltaResult
 from .reference.moe import Routing
@@ -268,3 +269,18 @@ def moe_experts(
     if uses_triton(x):
         return _twin("moe").moe_experts(x, routing, gate_up_weights, down_weights, activation, gated)
     return _moe.moe_experts(x, routing, gate_up_weights, down_weights, activation, gated)
+
+
+def gather_state_rows(pool: Tensor, slots: Tensor) -> Tensor:
+    """Copies of the state pool's rows at slots; see `reference.state_rows.gather_state_rows`."""
+    if uses_triton(pool):
+        return _twin("state_rows").gather_state_rows(pool, slots)
+    return _state_rows.gather_state_rows(pool, slots)
+
+
+def scatter_state_rows(pool: Tensor, slots: Tensor, rows: Tensor) -> None:
+    """Store rows at the state pool's slots in place; see `reference.state_rows.scatter_state_rows`."""
+    if uses_triton(pool):
+        _twin("state_rows").scatter_state_rows(pool, slots, rows)
+        return
+    _state_rows.scatter_state_rows(pool, slots, rows)

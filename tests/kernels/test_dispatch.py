@@ -8,7 +8,7 @@ import pytest
 
 import himamba.kernels as kernels
 from himamba.kernels import dispatch
-from himamba.kernels.reference import attention, conv1d, delta_rule, moe, norm, selective_scan, ssd
+from himamba.kernels.reference import attention, conv1d, delta_rule, moe, norm, selective_scan, ssd, state_rows
 
 REFERENCES = {
     "causal_conv1d": conv1d.causal_conv1d,
@@ -26,6 +26,8 @@ REFERENCES = {
     "recurrent_gated_delta_rule_update": delta_rule.recurrent_gated_delta_rule_update,
     "moe_route": moe.moe_route,
     "moe_experts": moe.moe_experts,
+    "gather_state_rows": state_rows.gather_state_rows,
+    "scatter_state_rows": state_rows.scatter_state_rows,
 }
 RESULT_TYPES = {
     "ConvResult": conv1d.ConvResult,

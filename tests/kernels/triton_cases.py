@@ -430,3 +430,29 @@ def _experts(activation: str, gated: bool, dtype: torch.dtype) -> int:
     want = ref("moe").moe_experts(x, routing, up, down, activation, gated)
     got = twin("moe").moe_experts(x, routing, up, down, activation, gated)
     return check(got, want, dtype, scale=5)
+
+
+# ------------------------------------------------------------------------------------- state rows
+
+
+@case(component=["conv", "ssm"], dtype=[torch.float32, torch.bfloat16])
+def gather_state_rows(component: str, dtype: torch.dtype) -> int:
+    shape = (40, 3) if component == "conv" else (4, 16, 16)
+    pool = rand(9, *shape, seed=1, dtype=dtype)
+    slots = torch.tensor([7, 0, 3, 3])
+    return check(twin("state_rows").gather_state_rows(pool, slots), ref("state_rows").gather_state_rows(pool, slots), dtype)
+
+
+@case(source=["batch", "expanded-capture", "float32-into-bf16"])
+def scatter_state_rows(source: str) -> int:
+    dtype = torch.bfloat16 if source == "float32-into-bf16" else torch.float32
+    pool = rand(9, 4, 16, 8, seed=1, dtype=dtype)
+    want = pool.clone()
+    if source == "expanded-capture":
+        # One state copied to several capture slots, as run_prefill writes it.
+        slots, rows = torch.tensor([2, 6, 8]), rand(1, 4, 16, 8, seed=2).expand(3, 4, 16, 8)
+    else:
+        slots, rows = torch.tensor([5, 1]), rand(2, 4, 16, 8, seed=3)
+    ref("state_rows").scatter_state_rows(want, slots, rows)
+    twin("state_rows").scatter_state_rows(pool, slots, rows)
+    return check(pool, want, dtype)
