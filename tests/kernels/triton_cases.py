@@ -31,6 +31,7 @@ class Case(NamedTuple):
 
 
 CASES: list[Case] = []
+DEVICE = torch.device("cpu")
 
 
 def case(**grid: list[Any]) -> Callable[[Callable[..., int]], Callable[..., int]]:
@@ -56,7 +57,18 @@ def ref(module: str) -> Any:
 
 
 def rand(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device=DEVICE, dtype=dtype)
+
+
+def idx(values: list[int]) -> torch.Tensor:
+    """An int64 index tensor on the cases' device."""
+    return torch.tensor(values, dtype=torch.int64, device=DEVICE)
+
+
+def use_device(device: str) -> None:
+    """Run the cases' tensors on `device` (CPU under the interpreter; "cuda" in the GPU-only module)."""
+    global DEVICE
+    DEVICE = torch.device(device)
 
 
 def check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> int:
@@ -131,7 +143,7 @@ def causal_conv1d_update(bias: bool, rows: str, dtype: torch.dtype) -> int:
     pool = rand(8, channels, width - 1, seed=3, dtype=dtype)
     weight, b = rand(channels, width, seed=4, dtype=dtype), rand(channels, seed=5, dtype=dtype) if bias else None
     # Decode updates pool rows in place (consecutive slots) or a gathered copy.
-    state = pool.narrow(0, 2, batch) if rows == "pool" else pool.index_select(0, torch.tensor([5, 0, 7]))
+    state = pool.narrow(0, 2, batch) if rows == "pool" else pool.index_select(0, idx([5, 0, 7]))
     want_state = state.clone()
     want = ref("conv1d").causal_conv1d_update(x, want_state, weight, b)
     got = twin("conv1d").causal_conv1d_update(x, state, weight, b)
@@ -203,7 +215,7 @@ def ssd_scan_capture_offsets(offset: int, layout: str) -> int:
 def selective_state_update(groups: int, rows: str, limit: bool) -> int:
     batch, heads, head_dim, state_size = 3, 4, 16, 16
     pool = rand(8, heads, head_dim, state_size, seed=1)
-    state = pool.narrow(0, 3, batch) if rows == "pool" else pool.index_select(0, torch.tensor([6, 1, 4]))
+    state = pool.narrow(0, 3, batch) if rows == "pool" else pool.index_select(0, idx([6, 1, 4]))
     # x, B and C as the Mamba2 layer passes them: reshaped column splits of one projection.
     xbc = rand(batch, heads * head_dim + 2 * groups * state_size + 5, seed=2)
     x = xbc[:, : heads * head_dim].reshape(batch, heads, head_dim)
@@ -229,7 +241,7 @@ def _pool(kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tenso
 
 def _slots(count: int, seed: int) -> torch.Tensor:
     """Scattered token slots, as pages of a fragmented pool give them."""
-    return torch.randperm(POOL_SLOTS, generator=torch.Generator().manual_seed(seed))[:count]
+    return torch.randperm(POOL_SLOTS, generator=torch.Generator().manual_seed(seed))[:count].to(DEVICE)
 
 
 @case(prefix=[0, 31, 64], new=[1, 33], gqa=["8:2", "4:4"], head_dim=[64, 128])
@@ -249,7 +261,7 @@ def paged_attention_decode(gqa: str, head_dim: int, dtype: torch.dtype) -> int:
     q_heads, kv_heads = map(int, gqa.split(":"))
     k_cache, v_cache = _pool(kv_heads, head_dim, dtype)
     # Ragged lengths around the kernel's 32-key blocks (and 16-token pages): 1, 16, 32, 33, 70.
-    lens = torch.tensor([1, 16, 32, 33, 70])
+    lens = idx([1, 16, 32, 33, 70])
     table = _slots(5 * 70, seed=3).view(5, 70)
     q = rand(5, q_heads, head_dim, seed=4, dtype=dtype)
     want = ref("attention").paged_attention_decode(q, k_cache, v_cache, table, lens, head_dim**-0.5)
@@ -369,7 +381,7 @@ def recurrent_gated_delta_rule_update(dims: str, rows: str, dtype: torch.dtype) 
     q, k, v, g, beta, _ = _delta_inputs(3, 1, 2, 4, k_dim, v_dim, dtype)
     q, k, v, g, beta = (t[:, 0] for t in (q, k, v, g, beta))
     pool = rand(6, 4, k_dim, v_dim, seed=9) * 0.1
-    state = pool.narrow(0, 1, 3) if rows == "pool" else pool.index_select(0, torch.tensor([4, 0, 2]))
+    state = pool.narrow(0, 1, 3) if rows == "pool" else pool.index_select(0, idx([4, 0, 2]))
     want_state = state.clone()
     want = ref("delta_rule").recurrent_gated_delta_rule_update(q, k, v, g, beta, want_state)
     got = twin("delta_rule").recurrent_gated_delta_rule_update(q, k, v, g, beta, state)
@@ -439,7 +451,7 @@ def _experts(activation: str, gated: bool, dtype: torch.dtype) -> int:
 def gather_state_rows(component: str, dtype: torch.dtype) -> int:
     shape = (40, 3) if component == "conv" else (4, 16, 16)
     pool = rand(9, *shape, seed=1, dtype=dtype)
-    slots = torch.tensor([7, 0, 3, 3])
+    slots = idx([7, 0, 3, 3])
     return check(twin("state_rows").gather_state_rows(pool, slots), ref("state_rows").gather_state_rows(pool, slots), dtype)
 
 
@@ -450,9 +462,51 @@ def scatter_state_rows(source: str) -> int:
     want = pool.clone()
     if source == "expanded-capture":
         # One state copied to several capture slots, as run_prefill writes it.
-        slots, rows = torch.tensor([2, 6, 8]), rand(1, 4, 16, 8, seed=2).expand(3, 4, 16, 8)
+        slots, rows = idx([2, 6, 8]), rand(1, 4, 16, 8, seed=2).expand(3, 4, 16, 8)
     else:
-        slots, rows = torch.tensor([5, 1]), rand(2, 4, 16, 8, seed=3)
+        slots, rows = idx([5, 1]), rand(2, 4, 16, 8, seed=3)
     ref("state_rows").scatter_state_rows(want, slots, rows)
     twin("state_rows").scatter_state_rows(pool, slots, rows)
     return check(pool, want, dtype)
+
+
+# ------------------------------------------------------------------------ whole model, dispatched
+
+
+@case(architecture=["NemotronH", "Qwen3Next", "Jamba", "Lfm2"])
+def model_prefill_decode(architecture: str) -> int:
+    """A tiny random checkpoint through the worker's model code, pools and dispatch: the twins
+    (HIMAMBA_KERNELS=triton) against the references, on ragged prefills, a prefix extension and
+    batched decode steps, logits compared at every step."""
+    import os
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from himamba.kernels import dispatch
+    from himamba.services.worker.loader import load_model
+    from tests.worker.harness import Harness
+    from tests.worker.hf_reference import save_tiny
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = load_model(save_tiny(architecture, Path(tmp) / "hf"), device=DEVICE)
+    prompts = [[(5 * i + 7 * j) % 200 + 1 for j in range(n)] for i, n in enumerate((12, 4, 20))]
+    steps = {}
+    for mode in ("reference", "triton"):
+        os.environ[dispatch.KERNELS_ENV] = mode
+        dispatch.kernels_mode.cache_clear()
+        try:
+            harness = Harness(model, num_pages=64, num_state_slots=8, device=DEVICE)
+            seqs = [harness.new_sequence() for _ in prompts]
+            logits = [harness.prefill(seqs, [p[:-3] for p in prompts]), harness.prefill(seqs, [p[-3:] for p in prompts])]
+            for step in range(2):
+                logits.append(harness.decode(seqs, [(11 * step + i) % 200 + 1 for i in range(len(seqs))]))
+            steps[mode] = logits
+        finally:
+            del os.environ[dispatch.KERNELS_ENV]
+            dispatch.kernels_mode.cache_clear()
+    assert "himamba.kernels.triton.attention" in sys.modules  # the twins really ran
+    count = 0
+    for got, want in zip(steps["triton"], steps["reference"], strict=True):
+        count += check(got, want, scale=25)
+    return count

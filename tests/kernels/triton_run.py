@@ -21,6 +21,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # the repo root, for `tests.worker`
 
 import torch  # noqa: E402
 
