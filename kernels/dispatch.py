@@ -184,7 +184,9 @@ def selective_scan(
 ) -> ScanResult:
     """Mamba1 selective scan (prefill); see `reference.selective_scan.selective_scan`."""
     if uses_triton(u):
-        return _twin("selective_scan").selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state)
+        return _twin("selective_scan").selective_scan(
+            u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state
+        )
     return _selective_scan.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state)
 
 
@@ -219,7 +221,9 @@ def chunk_gated_delta_rule(
 ) -> DeltaResult:
     """Gated delta rule over a segment (prefill); see `reference.delta_rule.chunk_gated_delta_rule`."""
     if uses_triton(q):
-        return _twin("delta_rule").chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, initial_state, use_qk_l2norm, scale)
+        return _twin("delta_rule").chunk_gated_delta_rule(
+            q, k, v, g, beta, chunk_size, initial_state, use_qk_l2norm, scale
+        )
     return _delta_rule.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, initial_state, use_qk_l2norm, scale)
 
 
@@ -251,7 +255,9 @@ def moe_route(
 ) -> Routing:
     """Top-k expert choice and weights per token; see `reference.moe.moe_route`."""
     if uses_triton(router_logits):
-        return _twin("moe").moe_route(router_logits, top_k, scoring, norm_topk_prob, bias, routed_scaling_factor, n_group, topk_group)
+        return _twin("moe").moe_route(
+            router_logits, top_k, scoring, norm_topk_prob, bias, routed_scaling_factor, n_group, topk_group
+        )
     return _moe.moe_route(
         router_logits, top_k, scoring, norm_topk_prob, bias, routed_scaling_factor, n_group, topk_group
     )

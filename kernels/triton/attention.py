@@ -193,7 +193,9 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor, v: Tens
     if slots.shape[0] == 0:
         return
     if k_cache.stride() != v_cache.stride() or not k_cache[:1].is_contiguous():
-        raise ValueError(f"k_cache and v_cache must be contiguous pools, got strides {k_cache.stride()}, {v_cache.stride()}")
+        raise ValueError(
+            f"k_cache and v_cache must be contiguous pools, got strides {k_cache.stride()}, {v_cache.stride()}"
+        )
     # The kernel copies each token's [Hkv, Dh] as one row: new K/V from a split projection already are.
     k, v = (t if t[:1].is_contiguous() else t.contiguous() for t in (k, v))
     row_len = k_cache.shape[1] * k_cache.shape[2]

@@ -59,7 +59,7 @@ def _delta_kernel(
                         other=0.0).to(tl.float32)  # fmt: skip
     else:
         state = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
-    for t in range(0, length):
+    for t in range(length):
         state, o = _delta_step(
             state, q_ptr + b * sq_b + t * sq_l + hk * sq_h + ks, k_ptr + b * sk_b + t * sk_l + hk * sk_h + ks,
             v_ptr + b * sv_b + t * sv_l + hv * sv_h + vs, g_ptr + b * sg_b + t * sg_l + hv * sg_h,
@@ -124,7 +124,9 @@ def chunk_gated_delta_rule(
         return DeltaResult(out, final)
     init = final if initial_state is None else initial_state
     scale = k_dim**-0.5 if scale is None else scale
-    _launch(q, k, v, g, beta, init, initial_state is not None, out, final, length, scale, use_qk_l2norm, one_token=False)
+    _launch(
+        q, k, v, g, beta, init, initial_state is not None, out, final, length, scale, use_qk_l2norm, one_token=False
+    )
     return DeltaResult(out, final)
 
 

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+
 @triton.jit
 def softplus(x):
     """F.softplus(x) with beta 1 and its default threshold 20 (above it: x, where exp would overflow)."""

@@ -60,7 +60,7 @@ def _scan_kernel(
                         other=0.0).to(tl.float32)  # fmt: skip
     else:
         state = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
-    for t in range(0, length):
+    for t in range(length):
         u = tl.load(u_ptr + b * su_b + t * su_l + ds * su_d, mask=d_mask, other=0.0).to(tl.float32)
         dt_raw = tl.load(delta_ptr + b * sdl_b + t * sdl_l + ds * sdl_d, mask=d_mask, other=0.0).to(tl.float32)
         bv = tl.load(b_ptr + b * sb_b + t * sb_l + ns * sb_n, mask=n_mask, other=0.0).to(tl.float32)

@@ -186,8 +186,8 @@ def run(device: torch.device, dtype: torch.dtype, tiny: bool, repeats: int, only
             fn(False)
         ref_times, twin_times = [], []
         for _ in range(repeats):  # alternate, so load from elsewhere hits both alike
-            ref_times += _time(lambda: ref_fn(False), device, 1)
-            twin_times += _time(lambda: twin_fn(False), device, 1)
+            ref_times += _time(lambda fn=ref_fn: fn(False), device, 1)
+            twin_times += _time(lambda fn=twin_fn: fn(False), device, 1)
         ref_ms, twin_ms = statistics.median(ref_times), statistics.median(twin_times)
         rows.append(Row(op, shape, round(ref_ms, 4), round(twin_ms, 4), round(ref_ms / twin_ms, 2), diff))
         print(f"{op:34s} {shape:48s} ref {ref_ms:9.3f} ms  triton {twin_ms:9.3f} ms  x{ref_ms / twin_ms:6.2f}  "

@@ -144,6 +144,8 @@ k.gather_state_rows(pool, torch.tensor([3]))
 print(sorted(n for n in sys.modules if n == "triton" or n.startswith(("triton.", "himamba.kernels.triton"))))
 """
     env = {k: v for k, v in os.environ.items() if k not in (dispatch.KERNELS_ENV, "TRITON_INTERPRET")}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"

@@ -41,7 +41,9 @@ def case(**grid: list[Any]) -> Callable[[Callable[..., int]], Callable[..., int]
         names = list(grid)
         for values in itertools.product(*grid.values()):
             params = dict(zip(names, values))
-            label = ",".join(f"{k}={getattr(v, 'name', None) or str(v).replace('torch.', '')}" for k, v in params.items())
+            label = ",".join(
+                f"{k}={getattr(v, 'name', None) or str(v).replace('torch.', '')}" for k, v in params.items()
+            )
             CASES.append(Case(f"{fn.__name__}[{label}]", fn, params))
         return fn
 
@@ -236,7 +238,9 @@ POOL_SLOTS = 400
 
 
 def _pool(kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    return rand(POOL_SLOTS, kv_heads, head_dim, seed=11, dtype=dtype), rand(POOL_SLOTS, kv_heads, head_dim, seed=12, dtype=dtype)
+    return rand(POOL_SLOTS, kv_heads, head_dim, seed=11, dtype=dtype), rand(
+        POOL_SLOTS, kv_heads, head_dim, seed=12, dtype=dtype
+    )
 
 
 def _slots(count: int, seed: int) -> torch.Tensor:
@@ -326,7 +330,9 @@ def _mamba1_scan(length: int, channels: int, options: str) -> int:
 
 @case(options=["all", "bare"], dtype=[torch.float32, torch.float16])
 def selective_state_update_mamba1(options: str, dtype: torch.dtype) -> int:
-    args = {k: (v[:, 0] if k in ("u", "delta", "B", "C", "z") else v) for k, v in _mamba1_inputs(3, 1, 40, dtype).items()}
+    args = {
+        k: (v[:, 0] if k in ("u", "delta", "B", "C", "z") else v) for k, v in _mamba1_inputs(3, 1, 40, dtype).items()
+    }
     state = args.pop("initial_state")
     x, dt, bias = args.pop("u"), args.pop("delta"), args.pop("delta_bias")
     kw = {"D": args["D"], "z": args["z"], "dt_bias": bias}
@@ -452,7 +458,9 @@ def gather_state_rows(component: str, dtype: torch.dtype) -> int:
     shape = (40, 3) if component == "conv" else (4, 16, 16)
     pool = rand(9, *shape, seed=1, dtype=dtype)
     slots = idx([7, 0, 3, 3])
-    return check(twin("state_rows").gather_state_rows(pool, slots), ref("state_rows").gather_state_rows(pool, slots), dtype)
+    return check(
+        twin("state_rows").gather_state_rows(pool, slots), ref("state_rows").gather_state_rows(pool, slots), dtype
+    )
 
 
 @case(source=["batch", "expanded-capture", "float32-into-bf16"])
@@ -498,7 +506,10 @@ def model_prefill_decode(architecture: str) -> int:
         try:
             harness = Harness(model, num_pages=64, num_state_slots=8, device=DEVICE)
             seqs = [harness.new_sequence() for _ in prompts]
-            logits = [harness.prefill(seqs, [p[:-3] for p in prompts]), harness.prefill(seqs, [p[-3:] for p in prompts])]
+            logits = [
+                harness.prefill(seqs, [p[:-3] for p in prompts]),
+                harness.prefill(seqs, [p[-3:] for p in prompts]),
+            ]
             for step in range(2):
                 logits.append(harness.decode(seqs, [(11 * step + i) % 200 + 1 for i in range(len(seqs))]))
             steps[mode] = logits
