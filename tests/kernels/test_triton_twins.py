@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,12 +27,17 @@ RUNNER = HERE / "triton_run.py"
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 
+# Wall and CPU seconds (the subprocess and its children) of each phase, for the summary line.
+PHASES: dict[str, tuple[float, float]] = {}
+
+
 def _run(mode: str, out: Path, *extra: str, interpret: bool) -> dict | list:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     # Triton 3.9 warns on every process that it will change this default; keep today's.
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    start, cpu = time.perf_counter(), _children_cpu()
     proc = subprocess.run(
         [sys.executable, str(RUNNER), mode, str(out), *extra],
         env=env,
@@ -39,8 +46,14 @@ def _run(mode: str, out: Path, *extra: str, interpret: bool) -> dict | list:
         timeout=900,
         check=False,
     )
+    PHASES[mode] = (time.perf_counter() - start, _children_cpu() - cpu)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +91,12 @@ def test_kernels_compile_for_sm90(compiled: list) -> None:
 
 
 def test_summary(interpreted: dict, compiled: list) -> None:
-    """Prints what ran (pytest -s shows it; the numbers are also in the per-case ids)."""
+    """Prints what ran and what it cost (shown with pytest -s)."""
     comparisons = sum(r["comparisons"] for r in interpreted["cases"].values())
-    seconds = sum(r["seconds"] for r in interpreted["cases"].values())
+    (i_wall, i_cpu), (c_wall, c_cpu) = PHASES["interpret"], PHASES["compile"]
     print(
-        f"\ntriton twins: {len(interpreted['cases'])} cases, {comparisons} tensor comparisons under "
-        f"TRITON_INTERPRET=1 in {seconds:.1f}s; {len(compiled)} kernel specializations compiled for sm_90"
+        f"\ntriton twins: {len(interpreted['cases'])} cases, {comparisons} tensor comparisons under TRITON_INTERPRET=1 "
+        f"({i_wall:.0f} s wall, {i_cpu:.0f} s CPU); {len(compiled)} kernel specializations compiled for sm_90 "
+        f"({c_wall:.0f} s wall, {c_cpu:.0f} s CPU)"
     )
     assert comparisons >= len(interpreted["cases"])
