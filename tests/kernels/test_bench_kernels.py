@@ -21,7 +21,9 @@ def test_without_a_gpu_it_says_so_and_fails(capsys, monkeypatch, tmp_path) -> No
     assert bench_kernels.main(["--out", str(tmp_path / "b.json")]) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "b.json").exists()
-    assert "triton" not in sys.modules
+    # No twin was imported. (triton itself may be in this process: transformers' modeling code, which
+    # other test modules import, loads it through torch when it is installed.)
+    assert not [name for name in sys.modules if name.startswith("himamba.kernels.triton.")]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

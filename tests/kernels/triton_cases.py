@@ -371,12 +371,22 @@ def chunk_gated_delta_rule_long(length: int, heads: str, init: bool, l2norm: boo
     return _chunk_delta(length, heads, init, l2norm)
 
 
-def _chunk_delta(length: int, heads: str, init: bool, l2norm: bool) -> int:
+@case(length=[70], dims=["64:64", "128:128"], decay=["strong"])
+def chunk_gated_delta_rule_default_chunk(length: int, dims: str, decay: str) -> int:
+    """chunk_size 64 (the default; the twin's chunks are 32): three chunks, strong decays, head dims 64 and 128."""
+    k_dim, v_dim = map(int, dims.split(":"))
+    return _chunk_delta(length, "1:2", True, True, chunk=64, dims=(k_dim, v_dim), decay_scale=6.0)
+
+
+def _chunk_delta(
+    length: int, heads: str, init: bool, l2norm: bool, chunk: int = 16, dims=(16, 48), decay_scale: float = 1.0
+) -> int:
     k_heads, v_heads = map(int, heads.split(":"))
-    q, k, v, g, beta, state = _delta_inputs(2, length, k_heads, v_heads, 16, 48)
+    q, k, v, g, beta, state = _delta_inputs(2, length, k_heads, v_heads, *dims)
+    g = g * decay_scale
     kw = {"initial_state": state if init else None, "use_qk_l2norm": l2norm, "scale": None if l2norm else 0.05}
-    want = ref("delta_rule").chunk_gated_delta_rule(q, k, v, g, beta, 16, **kw)
-    got = twin("delta_rule").chunk_gated_delta_rule(q, k, v, g, beta, 16, **kw)
+    want = ref("delta_rule").chunk_gated_delta_rule(q, k, v, g, beta, chunk, **kw)
+    got = twin("delta_rule").chunk_gated_delta_rule(q, k, v, g, beta, chunk, **kw)
     assert type(got) is type(want)
     return check(got.out, want.out, scale=10) + check(got.final_state, want.final_state, scale=10)
 
