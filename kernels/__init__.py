@@ -1,7 +1,8 @@
 """Compute kernels of the worker: causal conv, Mamba2 SSD and Mamba1 selective scans, the gated delta
 rule, RMS norms, paged attention and MoE routing/experts.
 
-Import ops from here; `dispatch` picks the implementation for the given tensors.
+Import ops from here; `dispatch` picks the implementation for the given tensors: the PyTorch
+reference (`kernels/reference/`, the CPU path) or its Triton twin (`kernels/triton/`, CUDA).
 """
 
 from .dispatch import (
@@ -13,12 +14,14 @@ from .dispatch import (
     causal_conv1d_update,
     chunk_gated_delta_rule,
     gated_rms_norm,
+    gather_state_rows,
     moe_experts,
     moe_route,
     paged_attention_decode,
     paged_attention_prefill,
     recurrent_gated_delta_rule_update,
     rms_norm,
+    scatter_state_rows,
     selective_scan,
     selective_state_update,
     selective_state_update_mamba1,
@@ -35,12 +38,14 @@ __all__ = [
     "causal_conv1d_update",
     "chunk_gated_delta_rule",
     "gated_rms_norm",
+    "gather_state_rows",
     "moe_experts",
     "moe_route",
     "paged_attention_decode",
     "paged_attention_prefill",
     "recurrent_gated_delta_rule_update",
     "rms_norm",
+    "scatter_state_rows",
     "selective_scan",
     "selective_state_update",
     "selective_state_update_mamba1",

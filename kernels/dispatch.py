@@ -1,20 +1,22 @@
-"""The one place that chooses an implementation for each kernel; today always the PyTorch reference.
+"""The one place that chooses an implementation for each kernel: the Triton twin or the PyTorch reference.
 
 Every function here has the exact signature (and contract) of its reference in
 `himamba.kernels.reference`, so callers never import an implementation directly.
 
-How a Triton (or other device) implementation plugs in:
-  1. Put it in `kernels/triton/<family>.py` (a new package: add `himamba.kernels.triton` to
-     pyproject's `packages`) with the same signature and result types (`ConvResult`, `ScanResult`,
-     `DeltaResult`, `Routing` from the reference files), importing triton lazily so CPU-only
-     installs keep working.
-  2. Test it against the reference on random inputs under a GPU-only test.
-  3. Here, branch on the inputs: `if x.is_cuda: return triton_impl(...)`, else fall through to
-     the reference. Nothing else changes; the choice is made per call from the inputs only, so
-     there is no global switch to set.
+The choice is made per call from the inputs: CUDA tensors with triton installed get the twin
+in `himamba.kernels.triton.<family>` (imported on first use, so a CPU process never imports
+triton), anything else the reference. The environment variable HIMAMBA_KERNELS overrides it:
+"reference" forces the reference everywhere (to debug a GPU run), "triton" forces the twins
+everywhere (on CPU only under TRITON_INTERPRET=1, for testing), "auto" (the default) chooses.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+from types import ModuleType
 
 from torch import Tensor
 
@@ -25,10 +27,44 @@ from .reference import moe as _moe
 from .reference import norm as _norm
 from .reference import selective_scan as _selective_scan
 from .reference import ssd as _ssd
+from .reference import state_rows as _state_rows
 from .reference.conv1d import ConvResult
 from .reference.delta_rule import DeltaResult
 from .reference.moe import Routing
 from .reference.ssd import ScanResult
+
+KERNELS_ENV = "HIMAMBA_KERNELS"
+KERNEL_CHOICES = ("auto", "reference", "triton")
+
+
+@functools.cache
+def triton_installed() -> bool:
+    """Whether triton can be imported (looked up once, without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def kernels_mode() -> str:
+    """HIMAMBA_KERNELS, read once per process and checked: "auto" (default), "reference" or "triton"."""
+    mode = os.environ.get(KERNELS_ENV, "auto") or "auto"
+    if mode not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNELS_ENV} must be one of {', '.join(KERNEL_CHOICES)}, got {mode!r}")
+    return mode
+
+
+def uses_triton(x: Tensor) -> bool:
+    """Whether an op whose main input is x runs the Triton twin (see the module docstring)."""
+    mode = kernels_mode()
+    if not x.is_cuda:
+        return mode == "triton"
+    if mode == "triton" and not triton_installed():
+        raise RuntimeError(f"{KERNELS_ENV}=triton but triton is not installed")
+    return mode != "reference" and triton_installed()
+
+
+@functools.cache
+def _twin(family: str) -> ModuleType:
+    return importlib.import_module(f"{__package__}.triton.{family}")
 
 
 def causal_conv1d(
@@ -39,6 +75,8 @@ def causal_conv1d(
     activation: str | None = "silu",
 ) -> ConvResult:
     """Causal depthwise conv of a segment; see `reference.conv1d.causal_conv1d`."""
+    if uses_triton(x):
+        return _twin("conv1d").causal_conv1d(x, weight, bias, initial_state, activation)
     return _conv1d.causal_conv1d(x, weight, bias, initial_state, activation)
 
 
@@ -50,6 +88,8 @@ def causal_conv1d_update(
     activation: str | None = "silu",
 ) -> Tensor:
     """One decode step of the conv, updating conv_state in place; see `reference.conv1d`."""
+    if uses_triton(x):
+        return _twin("conv1d").causal_conv1d_update(x, conv_state, weight, bias, activation)
     return _conv1d.causal_conv1d_update(x, conv_state, weight, bias, activation)
 
 
@@ -67,6 +107,8 @@ def ssd_scan(
     initial_state: Tensor | None = None,
 ) -> ScanResult:
     """Mamba2 chunked scan (prefill); see `reference.ssd.ssd_scan`."""
+    if uses_triton(x):
+        return _twin("ssd").ssd_scan(x, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit, initial_state)
     return _ssd.ssd_scan(x, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit, initial_state)
 
 
@@ -83,16 +125,22 @@ def selective_state_update(
     dt_limit: tuple[float, float] = (0.0, float("inf")),
 ) -> Tensor:
     """One decode step of the Mamba2 recurrence, updating state in place; see `reference.ssd`."""
+    if uses_triton(x):
+        return _twin("ssd").selective_state_update(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit)
     return _ssd.selective_state_update(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, multiply_in_float32: bool = False) -> Tensor:
     """RMSNorm over the last dim; see `reference.norm.rms_norm` for `multiply_in_float32`."""
+    if uses_triton(x):
+        return _twin("norm").rms_norm(x, weight, eps, multiply_in_float32)
     return _norm.rms_norm(x, weight, eps, multiply_in_float32)
 
 
 def gated_rms_norm(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, group_size: int) -> Tensor:
     """Gated, grouped RMSNorm of Mamba2 mixers; see `reference.norm.gated_rms_norm`."""
+    if uses_triton(x):
+        return _twin("norm").gated_rms_norm(x, gate, weight, eps, group_size)
     return _norm.gated_rms_norm(x, gate, weight, eps, group_size)
 
 
@@ -100,6 +148,8 @@ def paged_attention_prefill(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_slots: Tensor, prefix_len: int, scale: float
 ) -> Tensor:
     """Causal attention of one sequence's new tokens over the paged pool; see `reference.attention`."""
+    if uses_triton(q):
+        return _twin("attention").paged_attention_prefill(q, k_cache, v_cache, seq_slots, prefix_len, scale)
     return _attention.paged_attention_prefill(q, k_cache, v_cache, seq_slots, prefix_len, scale)
 
 
@@ -107,11 +157,16 @@ def paged_attention_decode(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, slot_table: Tensor, seq_lens: Tensor, scale: float
 ) -> Tensor:
     """Attention of one new token per sequence over the paged pool; see `reference.attention`."""
+    if uses_triton(q):
+        return _twin("attention").paged_attention_decode(q, k_cache, v_cache, slot_table, seq_lens, scale)
     return _attention.paged_attention_decode(q, k_cache, v_cache, slot_table, seq_lens, scale)
 
 
 def write_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
     """Store new K/V at token slots of the layer's pool; see `reference.attention.write_kv`."""
+    if uses_triton(k):
+        _twin("attention").write_kv(k_cache, v_cache, slots, k, v)
+        return
     _attention.write_kv(k_cache, v_cache, slots, k, v)
 
 
@@ -128,6 +183,10 @@ def selective_scan(
     initial_state: Tensor | None = None,
 ) -> ScanResult:
     """Mamba1 selective scan (prefill); see `reference.selective_scan.selective_scan`."""
+    if uses_triton(u):
+        return _twin("selective_scan").selective_scan(
+            u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state
+        )
     return _selective_scan.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state)
 
 
@@ -144,6 +203,8 @@ def selective_state_update_mamba1(
     dt_softplus: bool = True,
 ) -> Tensor:
     """One decode step of the Mamba1 recurrence, updating state in place; see `reference.selective_scan`."""
+    if uses_triton(x):
+        return _twin("selective_scan").selective_state_update_mamba1(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
     return _selective_scan.selective_state_update_mamba1(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
 
 
@@ -159,6 +220,10 @@ def chunk_gated_delta_rule(
     scale: float | None = None,
 ) -> DeltaResult:
     """Gated delta rule over a segment (prefill); see `reference.delta_rule.chunk_gated_delta_rule`."""
+    if uses_triton(q):
+        return _twin("delta_rule").chunk_gated_delta_rule(
+            q, k, v, g, beta, chunk_size, initial_state, use_qk_l2norm, scale
+        )
     return _delta_rule.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, initial_state, use_qk_l2norm, scale)
 
 
@@ -173,6 +238,8 @@ def recurrent_gated_delta_rule_update(
     scale: float | None = None,
 ) -> Tensor:
     """One decode step of the gated delta rule, updating state in place; see `reference.delta_rule`."""
+    if uses_triton(q):
+        return _twin("delta_rule").recurrent_gated_delta_rule_update(q, k, v, g, beta, state, use_qk_l2norm, scale)
     return _delta_rule.recurrent_gated_delta_rule_update(q, k, v, g, beta, state, use_qk_l2norm, scale)
 
 
@@ -187,6 +254,10 @@ def moe_route(
     topk_group: int = 1,
 ) -> Routing:
     """Top-k expert choice and weights per token; see `reference.moe.moe_route`."""
+    if uses_triton(router_logits):
+        return _twin("moe").moe_route(
+            router_logits, top_k, scoring, norm_topk_prob, bias, routed_scaling_factor, n_group, topk_group
+        )
     return _moe.moe_route(
         router_logits, top_k, scoring, norm_topk_prob, bias, routed_scaling_factor, n_group, topk_group
     )
@@ -201,4 +272,21 @@ def moe_experts(
     gated: bool = True,
 ) -> Tensor:
     """The routed experts' weighted feed-forward; see `reference.moe.moe_experts`."""
+    if uses_triton(x):
+        return _twin("moe").moe_experts(x, routing, gate_up_weights, down_weights, activation, gated)
     return _moe.moe_experts(x, routing, gate_up_weights, down_weights, activation, gated)
+
+
+def gather_state_rows(pool: Tensor, slots: Tensor) -> Tensor:
+    """Copies of the state pool's rows at slots; see `reference.state_rows.gather_state_rows`."""
+    if uses_triton(pool):
+        return _twin("state_rows").gather_state_rows(pool, slots)
+    return _state_rows.gather_state_rows(pool, slots)
+
+
+def scatter_state_rows(pool: Tensor, slots: Tensor, rows: Tensor) -> None:
+    """Store rows at the state pool's slots in place; see `reference.state_rows.scatter_state_rows`."""
+    if uses_triton(pool):
+        _twin("state_rows").scatter_state_rows(pool, slots, rows)
+        return
+    _state_rows.scatter_state_rows(pool, slots, rows)

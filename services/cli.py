@@ -209,6 +209,7 @@ def _bench(argv: list[str]) -> int:
         "cache": "himamba.services.cache.bench",
         "scheduler": "himamba.services.bench.scheduler",
         "forward": "himamba.services.worker.bench_forward",
+        "kernels": "himamba.services.worker.bench_kernels",
         "multiturn": "himamba.services.bench.multiturn",
     }
     if not argv or argv[0] not in benches:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import inspect
+import os
 
 import pytest
+import torch
 
 import himamba.kernels as kernels
 from himamba.kernels import dispatch
-from himamba.kernels.reference import attention, conv1d, delta_rule, moe, norm, selective_scan, ssd
+from himamba.kernels.reference import attention, conv1d, delta_rule, moe, norm, selective_scan, ssd, state_rows
 
 REFERENCES = {
     "causal_conv1d": conv1d.causal_conv1d,
@@ -26,6 +28,8 @@ REFERENCES = {
     "recurrent_gated_delta_rule_update": delta_rule.recurrent_gated_delta_rule_update,
     "moe_route": moe.moe_route,
     "moe_experts": moe.moe_experts,
+    "gather_state_rows": state_rows.gather_state_rows,
+    "scatter_state_rows": state_rows.scatter_state_rows,
 }
 RESULT_TYPES = {
     "ConvResult": conv1d.ConvResult,
@@ -45,3 +49,103 @@ def test_package_exports_every_op_and_result_type() -> None:
     assert set(kernels.__all__) == set(REFERENCES) | set(RESULT_TYPES)
     for name, cls in RESULT_TYPES.items():
         assert getattr(kernels, name) is cls
+
+
+class _Device:
+    """A stand-in for a tensor's device flag: CUDA tensors cannot be made on a CPU-only machine."""
+
+    def __init__(self, is_cuda: bool) -> None:
+        self.is_cuda = is_cuda
+
+
+@pytest.fixture
+def kernels_env(monkeypatch: pytest.MonkeyPatch):
+    """Set HIMAMBA_KERNELS for one test; dispatch reads it once per process, so clear that cache."""
+
+    def set_mode(value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(dispatch.KERNELS_ENV, raising=False)
+        else:
+            monkeypatch.setenv(dispatch.KERNELS_ENV, value)
+        dispatch.kernels_mode.cache_clear()
+
+    yield set_mode
+    monkeypatch.delenv(dispatch.KERNELS_ENV, raising=False)
+    dispatch.kernels_mode.cache_clear()
+
+
+@pytest.mark.parametrize("mode", [None, "auto", "reference"])
+def test_cpu_inputs_always_take_the_reference(kernels_env, mode: str | None) -> None:
+    kernels_env(mode)
+    assert not dispatch.uses_triton(_Device(False))
+
+
+def test_cuda_inputs_take_the_twin_when_triton_is_installed(kernels_env, monkeypatch: pytest.MonkeyPatch) -> None:
+    for installed in (True, False):
+        monkeypatch.setattr(dispatch, "triton_installed", lambda installed=installed: installed)
+        kernels_env(None)
+        assert dispatch.uses_triton(_Device(True)) is installed
+        kernels_env("reference")
+        assert not dispatch.uses_triton(_Device(True))
+
+
+def test_forcing_triton_without_it_is_an_error(kernels_env, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dispatch, "triton_installed", lambda: False)
+    kernels_env("triton")
+    with pytest.raises(RuntimeError, match="triton is not installed"):
+        dispatch.uses_triton(_Device(True))
+    assert dispatch.uses_triton(_Device(False))  # on CPU: the interpreter's test mode
+
+
+def test_an_unknown_kernels_mode_is_refused(kernels_env) -> None:
+    kernels_env("cuda")
+    with pytest.raises(ValueError, match="HIMAMBA_KERNELS must be one of auto, reference, triton, got 'cuda'"):
+        kernels.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-5)
+
+
+def test_every_op_has_a_twin_with_its_signature() -> None:
+    """Each op's Triton twin exists with the reference's exact signature (read from source, so
+    this process never imports triton)."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(dispatch.__file__).parent / "triton"
+    twins = {}
+    for path in folder.glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                twins[node.name] = ast.unparse(node.args)
+    for name, fn in REFERENCES.items():
+        source = inspect.getsource(fn)
+        ref_args = ast.unparse(ast.parse(source.strip()).body[0].args)
+        assert twins.get(name) == ref_args, name
+
+
+def test_cpu_processes_never_import_triton() -> None:
+    """Every service module imported and every op run on CPU tensors: triton stays out of sys.modules."""
+    import subprocess
+    import sys
+
+    script = """
+import importlib, pkgutil, sys
+import torch
+import himamba.services as services
+for m in pkgutil.walk_packages(services.__path__, "himamba.services."):
+    importlib.import_module(m.name)
+import himamba.kernels as k
+x = torch.randn(3, 8)
+k.rms_norm(x, torch.ones(8), 1e-5)
+k.gated_rms_norm(x, x, torch.ones(8), 1e-5, 4)
+k.causal_conv1d(torch.randn(1, 8, 5), torch.randn(8, 4), None, None)
+k.causal_conv1d_update(x, torch.randn(3, 8, 3), torch.randn(8, 4), None)
+pool = torch.zeros(4, 8)
+k.scatter_state_rows(pool, torch.tensor([1, 2, 3]), x)
+k.gather_state_rows(pool, torch.tensor([3]))
+print(sorted(n for n in sys.modules if n == "triton" or n.startswith(("triton.", "himamba.kernels.triton"))))
+"""
+    env = {k: v for k, v in os.environ.items() if k not in (dispatch.KERNELS_ENV, "TRITON_INTERPRET")}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"

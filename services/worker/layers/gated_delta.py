@@ -17,7 +17,9 @@ from himamba.kernels import (
     causal_conv1d,
     causal_conv1d_update,
     chunk_gated_delta_rule,
+    gather_state_rows,
     recurrent_gated_delta_rule_update,
+    scatter_state_rows,
 )
 from himamba.services.worker.forward_batch import ForwardBatch
 from himamba.services.worker.layers.linear import Linear
@@ -133,13 +135,13 @@ class GatedDeltaNet(nn.Module):
         if batch.mode == "decode":
             assert batch.state_slots is not None
             slots = batch.state_slots
-            conv_state = state["conv"].index_select(0, slots)
+            conv_state = gather_state_rows(state["conv"], slots)
             conv_out = causal_conv1d_update(mixed, conv_state, weight, None, "silu")
-            state["conv"].index_copy_(0, slots, conv_state)
+            scatter_state_rows(state["conv"], slots, conv_state)
             q, k, v = self._split_heads(conv_out)
-            recurrent = state["recurrent"].index_select(0, slots)
+            recurrent = gather_state_rows(state["recurrent"], slots)
             out = recurrent_gated_delta_rule_update(q, k, v, g, beta, recurrent, use_qk_l2norm=True)
-            state["recurrent"].index_copy_(0, slots, recurrent)
+            scatter_state_rows(state["recurrent"], slots, recurrent)
         else:
 
             def step(start: int, end: int, carried: State | None) -> tuple[torch.Tensor, State]:

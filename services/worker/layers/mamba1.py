@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from himamba.kernels import causal_conv1d, causal_conv1d_update, selective_scan, selective_state_update_mamba1
+from himamba.kernels import (
+    causal_conv1d,
+    causal_conv1d_update,
+    gather_state_rows,
+    scatter_state_rows,
+    selective_scan,
+    selective_state_update_mamba1,
+)
 from himamba.services.worker.forward_batch import ForwardBatch
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.mamba2 import DepthwiseConv
@@ -97,13 +104,13 @@ class Mamba1Mixer(nn.Module):
         if batch.mode == "decode":
             assert batch.state_slots is not None
             slots = batch.state_slots
-            conv_state = state["conv"].index_select(0, slots)
+            conv_state = gather_state_rows(state["conv"], slots)
             xc = causal_conv1d_update(xs, conv_state, weight, self.conv1d.bias, "silu")
-            state["conv"].index_copy_(0, slots, conv_state)
+            scatter_state_rows(state["conv"], slots, conv_state)
             dt, b, c = self._ssm_inputs(xc)
-            ssm = state["ssm"].index_select(0, slots)
+            ssm = gather_state_rows(state["ssm"], slots)
             y = selective_state_update_mamba1(ssm, xc, dt, A, b, c, D=self.D, z=z, dt_bias=dt_bias, dt_softplus=True)
-            state["ssm"].index_copy_(0, slots, ssm)
+            scatter_state_rows(state["ssm"], slots, ssm)
         else:
 
             def step(start: int, end: int, carried: State | None) -> tuple[torch.Tensor, State]:

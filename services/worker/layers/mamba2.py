@@ -13,7 +13,14 @@ import math
 import torch
 from torch import nn
 
-from himamba.kernels import causal_conv1d, causal_conv1d_update, selective_state_update, ssd_scan
+from himamba.kernels import (
+    causal_conv1d,
+    causal_conv1d_update,
+    gather_state_rows,
+    scatter_state_rows,
+    selective_state_update,
+    ssd_scan,
+)
 from himamba.services.worker.forward_batch import ForwardBatch
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.norm import GatedRMSNorm
@@ -143,8 +150,8 @@ class Mamba2Scan(nn.Module):
         ssm_state = consecutive_rows(ssm_pool, slots)
         gathered = conv_state is None or ssm_state is None
         if gathered:
-            conv_state = conv_pool.index_select(0, slots)
-            ssm_state = ssm_pool.index_select(0, slots)
+            conv_state = gather_state_rows(conv_pool, slots)
+            ssm_state = gather_state_rows(ssm_pool, slots)
         xbc = causal_conv1d_update(xbc, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, "silu")
         x, b, c = self._split_xbc(xbc)
         y = selective_state_update(
@@ -161,8 +168,8 @@ class Mamba2Scan(nn.Module):
             # and their decode step is what our tokens must equal for real checkpoints.
         )
         if gathered:
-            conv_pool.index_copy_(0, slots, conv_state)
-            ssm_pool.index_copy_(0, slots, ssm_state)
+            scatter_state_rows(conv_pool, slots, conv_state)
+            scatter_state_rows(ssm_pool, slots, ssm_state)
         return y.reshape(batch_size, self.intermediate_size)
 
 

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from himamba.kernels import gather_state_rows, scatter_state_rows
 from himamba.services.worker.forward_batch import ForwardBatch
 
 # One sequence's state in a layer, by component name, each with a leading batch dim of 1.
@@ -52,13 +53,13 @@ def prefill_segments(batch: ForwardBatch) -> list[Segment]:
 
 def read_slots(pool: dict[str, torch.Tensor], slots: torch.Tensor) -> State:
     """Copies of every component of `pool` at `slots` (int64 [B]); each [B, *shape]."""
-    return {name: t.index_select(0, slots) for name, t in pool.items()}
+    return {name: gather_state_rows(t, slots) for name, t in pool.items()}
 
 
 def write_slots(pool: dict[str, torch.Tensor], slots: torch.Tensor, state: State) -> None:
     """Store `state` (each component [B, *shape]) at `slots`, cast to the pool's dtypes."""
     for name, t in pool.items():
-        t.index_copy_(0, slots, state[name].to(t.dtype))
+        scatter_state_rows(t, slots, state[name])
 
 
 def run_prefill(batch: ForwardBatch, pool: dict[str, torch.Tensor], step: Step) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from himamba.kernels import causal_conv1d, causal_conv1d_update
+from himamba.kernels import causal_conv1d, causal_conv1d_update, gather_state_rows, scatter_state_rows
 from himamba.services.worker.forward_batch import ForwardBatch
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.mamba2 import DepthwiseConv
@@ -48,9 +48,9 @@ class ShortConv(nn.Module):
         weight = self.conv.weight.squeeze(1)
         if batch.mode == "decode":
             assert batch.state_slots is not None
-            conv_state = state["conv"].index_select(0, batch.state_slots)
+            conv_state = gather_state_rows(state["conv"], batch.state_slots)
             y = causal_conv1d_update(bx, conv_state, weight, self.conv.bias, None)
-            state["conv"].index_copy_(0, batch.state_slots, conv_state)
+            scatter_state_rows(state["conv"], batch.state_slots, conv_state)
         else:
 
             def step(start: int, end: int, carried: State | None) -> tuple[torch.Tensor, State]:

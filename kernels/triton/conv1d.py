@@ -1,0 +1,164 @@
+"""Twins of `reference.conv1d`: the causal depthwise conv over a segment and its single decode step.
+
+Both read x, the weights and the carried state through their strides: x is usually a time-major
+view of the in-projection ([B, L, D] seen as [B, D, L]) and the state rows of the pool.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..reference import conv1d as _ref
+from ..reference.conv1d import ConvResult
+from .jit_math import next_pow2, silu
+
+
+@triton.jit
+def _conv_kernel(
+    x_ptr, w_ptr, bias_ptr, init_ptr, out_ptr, final_ptr,
+    channels, length,
+    sx_b, sx_d, sx_l, sw_d, sw_k, si_b, si_d, si_k, so_b, so_d, so_l, sf_b, sf_d, sf_k,
+    WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, SILU: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = ds < channels
+    ts = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
+    t_mask = ts < length
+    w_ty = w_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_D, BLOCK_L), dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + ds, mask=d_mask, other=0.0).to(tl.float32)[:, None]
+    for k in tl.static_range(WIDTH):
+        # Input position of tap k; negative positions are the carried state's last columns.
+        src = ts - (WIDTH - 1) + k
+        mask = d_mask[:, None] & t_mask[None, :]
+        xv = tl.load(x_ptr + b * sx_b + ds[:, None] * sx_d + src[None, :] * sx_l, mask=mask & (src >= 0)[None, :],
+                     other=0.0).to(w_ty).to(tl.float32)  # fmt: skip
+        if HAS_INIT:
+            xv += tl.load(init_ptr + b * si_b + ds[:, None] * si_d + (src + WIDTH - 1)[None, :] * si_k,
+                          mask=mask & (src < 0)[None, :], other=0.0).to(w_ty).to(tl.float32)  # fmt: skip
+        w = tl.load(w_ptr + ds * sw_d + k * sw_k, mask=d_mask, other=0.0).to(tl.float32)
+        acc += w[:, None] * xv
+    if SILU:
+        acc = silu(acc)
+    out_mask = d_mask[:, None] & t_mask[None, :]
+    tl.store(out_ptr + b * so_b + ds[:, None] * so_d + ts[None, :] * so_l, acc.to(out_ptr.dtype.element_ty),
+             mask=out_mask)  # fmt: skip
+    if tl.program_id(2) == 0:
+        # The last WIDTH-1 inputs of concat(initial state, x): the state that continues the sequence.
+        js = tl.arange(0, BLOCK_K)
+        tail_src = length - (WIDTH - 1) + js
+        tail_mask = d_mask[:, None] & (js < WIDTH - 1)[None, :]
+        tail = tl.load(x_ptr + b * sx_b + ds[:, None] * sx_d + tail_src[None, :] * sx_l, mask=tail_mask & (tail_src >= 0)[None, :],
+                       other=0.0).to(w_ty)  # fmt: skip
+        if HAS_INIT:
+            tail += tl.load(init_ptr + b * si_b + ds[:, None] * si_d + (tail_src + WIDTH - 1)[None, :] * si_k,
+                            mask=tail_mask & (tail_src < 0)[None, :], other=0.0).to(w_ty)  # fmt: skip
+        tl.store(final_ptr + b * sf_b + ds[:, None] * sf_d + js[None, :] * sf_k,
+                 tail.to(final_ptr.dtype.element_ty), mask=tail_mask)  # fmt: skip
+
+
+@triton.jit
+def _conv_update_kernel(
+    x_ptr, state_ptr, w_ptr, bias_ptr, out_ptr,
+    channels, sx_b, sx_d, ss_b, ss_d, ss_k, sw_d, sw_k, so_b,
+    WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = ds < channels
+    ks = tl.arange(0, BLOCK_K)
+    w_ty = w_ptr.dtype.element_ty
+    # The window [state columns 0..K-2, x]: column K-1 comes from x, the others from the state.
+    state_mask = d_mask[:, None] & (ks < WIDTH - 1)[None, :]
+    window = tl.load(state_ptr + b * ss_b + ds[:, None] * ss_d + ks[None, :] * ss_k, mask=state_mask,
+                     other=0.0).to(w_ty)  # fmt: skip
+    xv = tl.load(x_ptr + b * sx_b + ds * sx_d, mask=d_mask, other=0.0).to(w_ty)
+    window = tl.where((ks == WIDTH - 1)[None, :], xv[:, None], window)
+    w = tl.load(w_ptr + ds[:, None] * sw_d + ks[None, :] * sw_k, mask=d_mask[:, None] & (ks < WIDTH)[None, :],
+                other=0.0).to(tl.float32)  # fmt: skip
+    acc = tl.sum(window.to(tl.float32) * w, axis=1)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + ds, mask=d_mask, other=0.0).to(tl.float32)
+    if SILU:
+        acc = silu(acc)
+    tl.store(out_ptr + b * so_b + ds, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
+    # Shift left by one: new column j is window column j + 1. Every program has loaded its whole
+    # window above, and no two programs share a state row, so the in-place store is safe.
+    shifted = tl.load(state_ptr + b * ss_b + ds[:, None] * ss_d + (ks + 1)[None, :] * ss_k,
+                      mask=d_mask[:, None] & (ks < WIDTH - 2)[None, :], other=0.0).to(w_ty)  # fmt: skip
+    shifted = tl.where((ks == WIDTH - 2)[None, :], xv[:, None], shifted)
+    tl.store(state_ptr + b * ss_b + ds[:, None] * ss_d + ks[None, :] * ss_k,
+             shifted.to(state_ptr.dtype.element_ty), mask=state_mask)  # fmt: skip
+
+
+def causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    initial_state: Tensor | None,
+    activation: str | None = "silu",
+) -> ConvResult:
+    """Twin of `reference.conv1d.causal_conv1d`; `out` is time-major when x is (as the reference's)."""
+    _ref._check_activation(activation)
+    if x.dim() != 3:
+        raise ValueError(f"x must be [B, D, L], got {tuple(x.shape)}")
+    batch, channels, length = x.shape
+    width = _ref._check_weight(weight, bias, channels)
+    if initial_state is not None and tuple(initial_state.shape) != (batch, channels, width - 1):
+        raise ValueError(
+            f"initial_state must be [B={batch}, D={channels}, K-1={width - 1}], got {tuple(initial_state.shape)}"
+        )
+    state_dtype = x.dtype if initial_state is None else initial_state.dtype
+    if x.stride(1) == 1:
+        out = torch.empty(batch, length, channels, dtype=x.dtype, device=x.device).transpose(1, 2)
+    else:
+        out = torch.empty(batch, channels, length, dtype=x.dtype, device=x.device)
+    final = torch.empty(batch, channels, width - 1, dtype=state_dtype, device=x.device)
+    if batch == 0 or channels == 0:
+        return ConvResult(out, final)
+    init = x if initial_state is None else initial_state
+    block_d, block_l = 64, 32
+    grid = (batch, triton.cdiv(channels, block_d), max(1, triton.cdiv(length, block_l)))
+    _conv_kernel[grid](
+        x, weight, x if bias is None else bias, init, out, final,
+        channels, length,
+        *x.stride(), *weight.stride(), *init.stride(), *out.stride(), *final.stride(),
+        WIDTH=width, HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=activation == "silu",
+        BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_K=next_pow2(width - 1),
+    )  # fmt: skip
+    return ConvResult(out, final)
+
+
+def causal_conv1d_update(
+    x: Tensor,
+    conv_state: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    activation: str | None = "silu",
+) -> Tensor:
+    """Twin of `reference.conv1d.causal_conv1d_update`: updates conv_state (any strides) in place."""
+    _ref._check_activation(activation)
+    if x.dim() != 2:
+        raise ValueError(f"x must be [B, D], got {tuple(x.shape)}")
+    batch, channels = x.shape
+    width = _ref._check_weight(weight, bias, channels)
+    if tuple(conv_state.shape) != (batch, channels, width - 1):
+        raise ValueError(
+            f"conv_state must be [B={batch}, D={channels}, K-1={width - 1}], got {tuple(conv_state.shape)}"
+        )
+    out = torch.empty(batch, channels, dtype=x.dtype, device=x.device)
+    if batch == 0 or channels == 0:
+        return out
+    block_d = 128
+    _conv_update_kernel[(batch, triton.cdiv(channels, block_d))](
+        x, conv_state, weight, x if bias is None else bias, out,
+        channels, *x.stride(), *conv_state.stride(), *weight.stride(), out.stride(0),
+        WIDTH=width, HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_D=block_d, BLOCK_K=next_pow2(width),
+    )  # fmt: skip
+    return out

@@ -1,0 +1,229 @@
+"""Twins of `reference.ssd`: the Mamba2 chunked scan (prefill) and the selective-state update (decode).
+
+The scan runs one program per (sequence, head, block of head dims). It walks the sequence chunk
+by chunk, keeping its [P, N] block of the state in registers: inside a chunk the recurrence is
+the masked, decay-weighted C·B product (state space duality, two tl.dot), and the state is
+carried to the next chunk by one more tl.dot. Heads, sequences and head-dim blocks run in
+parallel; only the chunks of one sequence are sequential. Everything is float32, as the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..reference import ssd as _ref
+from ..reference.ssd import ScanResult
+from .jit_math import dot_precision, next_pow2, softplus
+
+
+@triton.jit
+def _dt(raw, bias, low, high, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    dt = raw + bias
+    if SOFTPLUS:
+        dt = softplus(dt)
+    if HAS_LIMIT:
+        dt = tl.minimum(tl.maximum(dt, low), high)
+    return dt
+
+
+@triton.jit
+def _ssd_scan_kernel(
+    x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, init_ptr, y_ptr, final_ptr,
+    length, head_dim, state_size, heads_per_group, dt_low, dt_high,
+    sx_b, sx_l, sx_h, sx_p, sdt_b, sdt_l, sdt_h, sb_b, sb_l, sb_g, sb_n, sc_b, sc_l, sc_g, sc_n,
+    si_b, si_h, si_p, si_n, sy_b, sy_l, sy_h, sy_p, sf_b, sf_h, sf_p, sf_n,
+    HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    g = h // heads_per_group
+    ps = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    p_mask = ps < head_dim
+    ns = tl.arange(0, BLOCK_N)
+    n_mask = ns < state_size
+    qs = tl.arange(0, BLOCK_Q)
+    causal = qs[:, None] >= qs[None, :]
+    a = tl.load(a_ptr + h).to(tl.float32)
+    dt_bias = 0.0
+    if HAS_DT_BIAS:
+        dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    skip = 0.0
+    if HAS_D:
+        skip = tl.load(d_ptr + h).to(tl.float32)
+    state_mask = p_mask[:, None] & n_mask[None, :]
+    if HAS_INIT:
+        state = tl.load(init_ptr + b * si_b + h * si_h + ps[:, None] * si_p + ns[None, :] * si_n, mask=state_mask,
+                        other=0.0).to(tl.float32)  # fmt: skip
+    else:
+        state = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for start in range(0, length, BLOCK_Q):
+        ts = start + qs
+        t_mask = ts < length
+        raw = tl.load(dt_ptr + b * sdt_b + ts * sdt_l + h * sdt_h, mask=t_mask, other=0.0).to(tl.float32)
+        # Tokens past the end get dt = 0: no decay and no input.
+        dt = tl.where(t_mask, _dt(raw, dt_bias, dt_low, dt_high, SOFTPLUS, HAS_LIMIT), 0.0)
+        log_decay = tl.cumsum(dt * a, axis=0)  # [Q]: sum of dt*A over the chunk up to each token
+        total = tl.sum(dt * a, axis=0)
+        x = tl.load(x_ptr + b * sx_b + ts[:, None] * sx_l + h * sx_h + ps[None, :] * sx_p,
+                    mask=t_mask[:, None] & p_mask[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        bm = tl.load(b_ptr + b * sb_b + ts[:, None] * sb_l + g * sb_g + ns[None, :] * sb_n,
+                     mask=t_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        cm = tl.load(c_ptr + b * sc_b + ts[:, None] * sc_l + g * sc_g + ns[None, :] * sc_n,
+                     mask=t_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        # Within the chunk: y_l = sum_{s<=l} (C_l·B_s) exp(cum_l - cum_s) dt_s x_s.
+        cb = tl.dot(cm, tl.trans(bm), input_precision=PRECISION)  # [Q(l), Q(s)]
+        decay = tl.exp(tl.where(causal, log_decay[:, None] - log_decay[None, :], float("-inf")))
+        y = tl.dot(cb * decay * dt[None, :], x, input_precision=PRECISION)  # [Q, P]
+        # From the state entering the chunk: exp(cum_l) C_l · h.
+        y += tl.exp(log_decay)[:, None] * tl.dot(cm, tl.trans(state), input_precision=PRECISION)
+        if HAS_D:
+            y += skip * x
+        tl.store(y_ptr + b * sy_b + ts[:, None] * sy_l + h * sy_h + ps[None, :] * sy_p,
+                 y.to(y_ptr.dtype.element_ty), mask=t_mask[:, None] & p_mask[None, :])  # fmt: skip
+        # The state after the chunk: decayed, plus each token's input decayed to the chunk's end.
+        to_end = tl.exp(total - log_decay) * dt  # [Q]
+        state = state * tl.exp(total) + tl.dot(tl.trans(x * to_end[:, None]), bm, input_precision=PRECISION)
+    tl.store(final_ptr + b * sf_b + h * sf_h + ps[:, None] * sf_p + ns[None, :] * sf_n,
+             state.to(final_ptr.dtype.element_ty), mask=state_mask)  # fmt: skip
+
+
+@triton.jit
+def _state_update_kernel(
+    state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, y_ptr,
+    head_dim, state_size, heads_per_group, dt_low, dt_high,
+    ss_b, ss_h, ss_p, ss_n, sx_b, sx_h, sx_p, sdt_b, sdt_h, sb_b, sb_g, sb_n, sc_b, sc_g, sc_n, sy_b, sy_h,
+    HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    g = h // heads_per_group
+    ps = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    p_mask = ps < head_dim
+    ns = tl.arange(0, BLOCK_N)
+    n_mask = ns < state_size
+    state_mask = p_mask[:, None] & n_mask[None, :]
+    state_ptrs = state_ptr + b * ss_b + h * ss_h + ps[:, None] * ss_p + ns[None, :] * ss_n
+    state = tl.load(state_ptrs, mask=state_mask, other=0.0).to(tl.float32)
+    dt_bias = 0.0
+    if HAS_DT_BIAS:
+        dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    dt = _dt(tl.load(dt_ptr + b * sdt_b + h * sdt_h).to(tl.float32), dt_bias, dt_low, dt_high, SOFTPLUS, HAS_LIMIT)
+    a = tl.load(a_ptr + h).to(tl.float32)
+    x = tl.load(x_ptr + b * sx_b + h * sx_h + ps * sx_p, mask=p_mask, other=0.0).to(tl.float32)
+    bv = tl.load(b_ptr + b * sb_b + g * sb_g + ns * sb_n, mask=n_mask, other=0.0).to(tl.float32)
+    cv = tl.load(c_ptr + b * sc_b + g * sc_g + ns * sc_n, mask=n_mask, other=0.0).to(tl.float32)
+    state = state * tl.exp(dt * a) + (x * dt)[:, None] * bv[None, :]
+    tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=state_mask)
+    y = tl.sum(state * cv[None, :], axis=1)
+    if HAS_D:
+        y += tl.load(d_ptr + h).to(tl.float32) * x
+    tl.store(y_ptr + b * sy_b + h * sy_h + ps, y.to(y_ptr.dtype.element_ty), mask=p_mask)
+
+
+def _limit(dt_limit: tuple[float, float]) -> tuple[bool, float, float]:
+    low, high = dt_limit
+    if not low <= high:
+        raise ValueError(f"dt_limit must be (low, high) with low <= high, got {dt_limit}")
+    has = (low, high) != (0.0, math.inf)
+    # Kernel scalars are float32: an infinite bound is the largest float32.
+    return has, max(low, -3.0e38), min(high, 3.0e38)
+
+
+def ssd_scan(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    D: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    initial_state: Tensor | None = None,
+) -> ScanResult:
+    """Twin of `reference.ssd.ssd_scan` (chunks of at most 64 tokens: chunking changes only rounding)."""
+    if x.dim() != 4:
+        raise ValueError(f"x must be [Bt, L, H, P], got {tuple(x.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    batch, length, heads, head_dim = x.shape
+    if tuple(dt.shape) != (batch, length, heads):
+        raise ValueError(f"dt must be [Bt={batch}, L={length}, H={heads}], got {tuple(dt.shape)}")
+    if B.dim() != 4 or B.shape[:2] != (batch, length):
+        raise ValueError(f"B must be [Bt={batch}, L={length}, G, N], got {tuple(B.shape)}")
+    rep = _ref._check_heads(x, A, B, C, D, dt_bias)
+    state_size = B.shape[3]
+    state_shape = (batch, heads, head_dim, state_size)
+    if initial_state is not None and tuple(initial_state.shape) != state_shape:
+        raise ValueError(f"initial_state must be {list(state_shape)}, got {tuple(initial_state.shape)}")
+    has_limit, low, high = _limit(dt_limit)
+    state_dtype = torch.float32 if initial_state is None else initial_state.dtype
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    final = torch.empty(state_shape, dtype=state_dtype, device=x.device)
+    if batch == 0 or heads == 0 or head_dim == 0:
+        return ScanResult(y, final)
+    init = final if initial_state is None else initial_state
+    block_p = min(64, next_pow2(head_dim, 16))
+    # tl.dot needs every dimension >= 16 on the GPU.
+    block_q = min(64, next_pow2(chunk_size, 16))
+    grid = (batch, heads, triton.cdiv(head_dim, block_p))
+    _ssd_scan_kernel[grid](
+        x, dt, A, B, C, x if D is None else D, x if dt_bias is None else dt_bias, init, y, final,
+        length, head_dim, state_size, rep, low, high,
+        *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *init.stride(), *y.stride(), *final.stride(),
+        HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
+        HAS_INIT=initial_state is not None, PRECISION=dot_precision(x, B, C),
+        BLOCK_Q=block_q, BLOCK_P=block_p, BLOCK_N=next_pow2(state_size, 16),
+    )  # fmt: skip
+    return ScanResult(y, final)
+
+
+def selective_state_update(
+    state: Tensor,
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> Tensor:
+    """Twin of `reference.ssd.selective_state_update`: updates `state` (any strides) in place."""
+    if x.dim() != 3:
+        raise ValueError(f"x must be [Bt, H, P], got {tuple(x.shape)}")
+    batch, heads, head_dim = x.shape
+    if tuple(dt.shape) != (batch, heads):
+        raise ValueError(f"dt must be [Bt={batch}, H={heads}], got {tuple(dt.shape)}")
+    if B.dim() != 3 or B.shape[0] != batch:
+        raise ValueError(f"B must be [Bt={batch}, G, N], got {tuple(B.shape)}")
+    rep = _ref._check_heads(x, A, B, C, D, dt_bias)
+    state_size = B.shape[2]
+    if tuple(state.shape) != (batch, heads, head_dim, state_size):
+        raise ValueError(
+            f"state must be [Bt={batch}, H={heads}, P={head_dim}, N={state_size}], got {tuple(state.shape)}"
+        )
+    has_limit, low, high = _limit(dt_limit)
+    y = torch.empty(batch, heads, head_dim, dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    block_p = min(32, next_pow2(head_dim))
+    grid = (batch, heads, triton.cdiv(head_dim, block_p))
+    _state_update_kernel[grid](
+        state, x, dt, A, B, C, x if D is None else D, x if dt_bias is None else dt_bias, y,
+        head_dim, state_size, rep, low, high,
+        *state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), y.stride(0), y.stride(1),
+        HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
+        BLOCK_P=block_p, BLOCK_N=next_pow2(state_size),
+    )  # fmt: skip
+    return y
