@@ -350,8 +350,10 @@ class CacheService(Actor[ToCache]):
                 transfers = self.ctrl.take_transfers()
                 await self.scheduler.send(CacheStepDone(step_id=step_id, results=results, transfers=transfers))
                 self._storage_work.set()
-            case TransfersDone(op_ids=op_ids):
-                self.ctrl.transfers_done(op_ids)
+            case TransfersDone(op_ids=op_ids, failed=failed):
+                if failed:
+                    self.log.warning("the worker failed %d copy orders: rolling them back", len(failed))
+                self.ctrl.transfers_done(op_ids, failed)
                 self._storage_work.set()  # acknowledged host copies start storage backups
             case GetCacheStats(reply_to=reply_to, check_invariants=check):
                 stats = msgspec.structs.replace(self.ctrl.stats(), cache_steps=self._cache_steps)

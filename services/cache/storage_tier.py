@@ -166,6 +166,8 @@ class StorageTier:
         """Write the host pages of root..node (and node's host state) that storage lacks."""
         if not node.is_attached or node.host_pages is None or node.parent is None:
             return False
+        if self.tree.tainted(node):
+            return False  # its path runs through host memory a failed copy never wrote
         self._forget_after_outage()
         keys = self.keys_of(node)
         pages: list[int] = []
