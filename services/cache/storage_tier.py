@@ -231,9 +231,19 @@ class StorageTier:
         if usable - base_len < max(self.cfg.prefetch_threshold, ps):
             return
         toks = tuple(tokens[:usable])
+        host_len = min(host_len, usable)
+        anchor_pin = None
+        if host_len:
+            # The anchor (deepest host node before the fetched range) stays on host from now on,
+            # through the asynchronous lookup: a host eviction meanwhile must not void the hit.
+            anchor = self.tree.match_prefix_host(toks[:host_len])
+            if anchor is None:
+                return  # unreachable: the probe just saw it; no prefetch rather than a wrong one
+            anchor_pin = self.tree.protect_host(anchor, kv=True)
         keys = page_keys(None, toks, ps, self.fingerprint)
         now = time.monotonic()
         pf = _Prefetch(rid, keys, toks, host_len // ps, base_len, now, now + self.cfg.prefetch_timeout_max_s)
+        pf.anchor_pin = anchor_pin
         if self.cfg.hicache_storage_prefetch_policy == "timeout":
             budget = self.cfg.prefetch_timeout_base_s + self.cfg.prefetch_timeout_per_ki_token_s * usable / 1024
             pf.deadline = now + min(budget, self.cfg.prefetch_timeout_max_s)
@@ -247,31 +257,29 @@ class StorageTier:
         if n * ps - pf.base_len < thr or n <= pf.first_page:
             self._end(pf, "miss")
             return
-        # The anchor (deepest host node before the fetched range) must stay on host meanwhile.
-        anchor_len = pf.first_page * ps
-        if anchor_len:
-            m = self.tree.match_prefix_host(pf.tokens[:anchor_len])
-            if m is None:
-                self._end(pf, "anchor_gone")
+        # Decide before evicting: what host eviction could free at most (the anchor is pinned, so
+        # its path is not counted). Too little for the whole hit: adaptive fallback, cut back to the
+        # aligned size that fits, then to a page with a stored state; if that lands below the
+        # threshold the host tier is left exactly as it is.
+        can_have = self.host_kv.num_free + self.tree.host_pages_evictable
+        if n - pf.first_page > can_have:
+            n = pf.first_page + can_have
+            if self.needs_state:
+                n = max((k for k in hit.state_pages if k <= n), default=0)
+            if n * ps - pf.base_len < thr or n <= pf.first_page:
+                self._end(pf, "no_host_memory")
                 return
-            pf.anchor_pin = self.tree.protect_host(m, kv=True)
+            self.counters.truncations += 1
         need = n - pf.first_page
         pages = self.host_kv.alloc(need)
         if pages is None:
             self.tree.evict_host(need - self.host_kv.num_free)
             pages = self.host_kv.alloc(need)
         if pages is None:
-            # Adaptive: take the aligned free size, cut back to a page with a stored state.
-            avail = self.host_kv.num_free
-            n = pf.first_page + avail
-            if self.needs_state:
-                n = self._deepest_state_page(pf, n)
-            if n * ps - pf.base_len < thr or n <= pf.first_page:
-                self._end(pf, "no_host_memory")
-                return
-            pages = self.host_kv.alloc(n - pf.first_page)
-            assert pages is not None
-            self.counters.truncations += 1
+            # Unreachable: everything counted evictable is; fail the prefetch, never the loop.
+            _log.error("storage prefetch of %s: host eviction freed less than it counted", pf.rid)
+            self._end(pf, "no_host_memory")
+            return
         slot = None
         if self.needs_state:
             assert self.host_state is not None
@@ -288,22 +296,6 @@ class StorageTier:
         pf.plan, pf.host_slot, pf.phase = plan, slot, "fetch"
         state = StateCopy(plan.keys[-1], slot) if slot is not None else None
         pf.handle = self.io.submit_prefetch(plan.keys[plan.first_page :], plan.host_pages, state, tag=("prefetch", pf.rid))
-
-    def _deepest_state_page(self, pf: _Prefetch, limit: int) -> int:
-        """Deepest page count <= limit ending at a stored state (asks the backend directly: this
-        runs only on the rare truncation path)."""
-        if limit <= pf.first_page:
-            return 0
-        try:
-            flags = self.io.backend.exists_states(pf.keys[:limit])
-        except Exception as e:  # noqa: BLE001 - a failing store is a miss
-            self.counters.errors["lookup"] += 1
-            _log.warning("storage state lookup failed: %s", e)
-            return 0
-        for i in range(limit - 1, pf.first_page - 1, -1):
-            if flags[i]:
-                return i + 1
-        return 0
 
     def _finalise(self, pf: _Prefetch) -> None:
         assert pf.handle is not None and pf.plan is not None
@@ -434,6 +426,7 @@ class StorageTier:
         for pf in [*self.prefetches.values(), *self._detached]:
             if pf.phase == "lookup" and pf.lookup is not None and pf.lookup.done():
                 if pf.detached:
+                    self._release_anchor(pf)
                     pf.phase = "ready"
                 else:
                     self._after_lookup(pf, pf.lookup.result())

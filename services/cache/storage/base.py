@@ -244,6 +244,9 @@ class StorageHit(NamedTuple):
 
     num_kv_pages: int  # leading pages whose KV is stored
     num_pages: int  # usable hit: <= num_kv_pages, and (when a state is needed) ends at a state
+    # With a state needed: every usable hit length (page counts <= num_pages ending at a stored
+    # state), ascending, so a truncated or partial fetch can end at one without asking again.
+    state_pages: tuple[int, ...] = ()
 
 
 def find_hit(backend: StorageBackend, keys: Sequence[bytes], *, needs_state: bool) -> StorageHit:
@@ -253,7 +256,5 @@ def find_hit(backend: StorageBackend, keys: Sequence[bytes], *, needs_state: boo
     if not needs_state or num_kv == 0:
         return StorageHit(num_kv, num_kv)
     has_state = backend.exists_states(keys[:num_kv])
-    for i in range(num_kv - 1, -1, -1):
-        if has_state[i]:
-            return StorageHit(num_kv, i + 1)
-    return StorageHit(num_kv, 0)
+    ends = tuple(i + 1 for i, ok in enumerate(has_state) if ok)
+    return StorageHit(num_kv, ends[-1] if ends else 0, ends)

@@ -153,9 +153,9 @@ def test_find_hit_ends_a_hybrid_hit_at_a_stored_state(tmp_path: Path) -> None:
     b.set_state(keys[1], b"s" * 10)
     b.set_state(keys[3], b"s" * 10)
     b.set_state(keys[7], b"s" * 10)  # beyond the KV prefix: unusable
-    assert find_hit(b, keys, needs_state=True) == StorageHit(6, 4)
+    assert find_hit(b, keys, needs_state=True) == StorageHit(6, 4, (2, 4))
     assert find_hit(b, keys, needs_state=False) == StorageHit(6, 6)
-    assert find_hit(b, keys[:3], needs_state=True) == StorageHit(3, 2)
+    assert find_hit(b, keys[:3], needs_state=True) == StorageHit(3, 2, (2,))
 
 
 def test_a_read_only_store_refuses_writes_cleanly_and_logs_once(
