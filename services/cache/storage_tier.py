@@ -45,6 +45,7 @@ from himamba.services.cache.storage.known_keys import KnownKeys
 _log = logging.getLogger("himamba.cache.storage")
 
 Phase = Literal["lookup", "fetch", "ready"]
+_MID_STATES = 3  # best_effort, hybrid models: intermediate states fetched with a prefix, at most
 
 
 class PrefetchPlan(NamedTuple):
@@ -83,6 +84,7 @@ class _Prefetch:
     handle: JobHandle | None = None
     ready_pin: HostPin | None = None
     fetched: tuple[int, int] = (0, 0)  # token range that came from storage
+    mid: list[tuple[int, int]] = field(default_factory=list)  # best_effort: (page count, host slot) of states on the way
     detached: bool = False  # its request no longer waits: finalise only
     revoked: bool = False
 
@@ -295,7 +297,25 @@ class StorageTier:
         plan = PrefetchPlan(pf.tokens, pf.keys, pf.first_page, pages).truncate(n, ps)
         pf.plan, pf.host_slot, pf.phase = plan, slot, "fetch"
         state = StateCopy(plan.keys[-1], slot) if slot is not None else None
-        pf.handle = self.io.submit_prefetch(plan.keys[plan.first_page :], plan.host_pages, state, tag=("prefetch", pf.rid))
+        if slot is not None and self.cfg.hicache_storage_prefetch_policy == "best_effort":
+            pf.mid = self._mid_states(hit, pf.first_page, n)
+        pf.handle = self.io.submit_prefetch(
+            plan.keys[plan.first_page :], plan.host_pages, state, tag=("prefetch", pf.rid),
+            mid_states=[(at - plan.first_page, StateCopy(plan.keys[at - 1], s)) for at, s in pf.mid],
+        )
+
+    def _mid_states(self, hit: StorageHit, first_page: int, end: int) -> list[tuple[int, int]]:
+        """best_effort on a hybrid model: a request admitted mid-fetch takes what has arrived, and
+        that is usable only up to a state. So stored states inside the fetch come along, read as
+        soon as their pages are, nearest first (the earliest to arrive), each in a free host slot
+        (never evicting for them): (page count, host slot)."""
+        assert self.host_state is not None
+        at = [k for k in hit.state_pages if first_page < k < end][:_MID_STATES]
+        slots = self.host_state.alloc(len(at)) if at else None
+        while at and slots is None:
+            at.pop()
+            slots = self.host_state.alloc(len(at)) if at else None
+        return list(zip(at, slots or []))
 
     def _finalise(self, pf: _Prefetch) -> None:
         assert pf.handle is not None and pf.plan is not None
@@ -310,15 +330,19 @@ class StorageTier:
             _log.warning("storage prefetch of %s failed after %d pages: %s", pf.rid, res.num_pages, res.error)
         got = res.num_pages
         state_ok = res.state_ok and got == len(plan.host_pages)
+        slot = pf.host_slot if state_ok else None
         if self.needs_state and not state_ok:
-            # A hit is atomic: KV without its state at the same position is useless here.
-            got = 0
+            # A hit is atomic: KV without its state at the same position is useless here, so
+            # end at the deepest intermediate state that arrived with all its pages, if any.
+            arrived = [(at, s) for at, s in pf.mid if at - plan.first_page in res.states_read]
+            got, slot = (arrived[-1][0] - plan.first_page, arrived[-1][1]) if arrived else (0, None)
         ps = self.page_size
         end = plan.first_page + got
         self.host_kv.free(plan.host_pages[got:])
-        slot = pf.host_slot if state_ok else None
-        if pf.host_slot is not None and slot is None:
-            self.host_state.free([pf.host_slot])  # type: ignore[union-attr]
+        unused = [s for s in (pf.host_slot, *(s for _, s in pf.mid)) if s is not None and s != slot]
+        if unused:
+            self.host_state.free(unused)  # type: ignore[union-attr]
+        pf.mid = []
         node = None
         if got:
             r = self.tree.insert_host(plan.tokens[: end * ps], plan.first_page, plan.host_pages[:got], slot, plan.keys[:end])
@@ -404,6 +428,7 @@ class StorageTier:
                 pages += pf.plan.host_pages
                 if pf.host_slot is not None:
                     slots.append(pf.host_slot)
+                slots += [s for _, s in pf.mid]
         return pages, slots
 
     # ------------------------------------------------------------ progress

@@ -336,3 +336,39 @@ def test_the_anchor_stays_pinned_through_the_lookup(tmp_path):
     assert res.cached_len == 40 and res.cached.storage == 24 and res.cached.host == 16
     rig.drain()
     rig.close()
+
+
+class _Gate(FileBackend):
+    """A file backend whose page reads stop after `allow` pages until `go` is set."""
+
+    def __init__(self, store, allow: int):
+        super().__init__(FP, store)
+        import threading
+
+        self.allow, self.served = allow, 0
+        self.blocked, self.go = threading.Event(), threading.Event()
+
+    def get_pages(self, keys, dest):
+        if self.served >= self.allow:
+            self.blocked.set()
+            assert self.go.wait(10), "the test never opened the gate"
+        n = super().get_pages(keys, dest)
+        self.served += n
+        return n
+
+
+def test_best_effort_serves_a_hybrid_the_deepest_arrived_prefix_with_its_state(tmp_path):
+    toks = _prompt(41, 4)
+    _stored_prefix(tmp_path, toks)  # states at pages 4, 6 and 10
+    gate = _Gate(tmp_path, allow=6)
+    rig = Rig(tmp_path, backend=gate, hicache_storage_prefetch_policy="best_effort")
+    rig.ctrl.apply(Prefetch(rid="x", tokens=toks + [7]))
+    _wait_lookup(rig, "x")
+    assert gate.blocked.wait(10)  # 6 pages and the states at 4 and 6 arrived; the rest is slow
+    res = rig.ctrl.admit(Admit(rid="x", tokens=toks + [7], num_slots=1))
+    assert res.prefetching  # revoked: it ends at the next batch boundary
+    gate.go.set()
+    res = rig.serve("x", toks + [7], prefetch=False)  # checks every served byte
+    assert res.cached.storage == 24 == res.cached_len, "the arrived prefix and its state were discarded"
+    rig.drain()
+    rig.close()
