@@ -239,7 +239,10 @@ class CacheConfig(_Section):
         Literal["none", "file", "mooncake", "redis"], doc("The storage tier (L3) behind the host pools.")
     ] = "file"
     hicache_storage_dir: Annotated[str, doc('The file backend\'s directory; "": $XDG_CACHE_HOME/himamba/storage.')] = ""
-    hicache_storage_max_bytes: Annotated[NonNegInt, doc("The file backend's size cap in bytes; 0: none.")] = 0
+    hicache_storage_max_bytes: Annotated[
+        NonNegInt,
+        doc("The file backend's size cap in bytes, over its whole directory; 0: 10% of the free space at start."),
+    ] = 0
     hicache_storage_url: Annotated[
         str,
         doc(

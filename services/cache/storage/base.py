@@ -117,6 +117,17 @@ class ValueCodec:
             return f"payload of {nbytes} bytes, expected {payload_bytes}"
         return None
 
+    def describe(self, header: Buffer) -> tuple[ValueKind, bytes, int] | None:
+        """(kind, key, payload bytes) of a header of this model's format, or None when it is not one
+        (how a segment scan finds where a torn tail begins; the checksum is checked on read)."""
+        head = memoryview(header)
+        if head.nbytes != HEADER_BYTES:
+            return None
+        magic, version, k, _flags, _tokens, nbytes, fp, key, _crc = _HEADER.unpack(head)
+        if magic != _MAGIC or version != FORMAT_VERSION or fp != self.fingerprint or k not in (1, 2):
+            return None
+        return ValueKind(k), bytes(key), nbytes
+
     @staticmethod
     def checksum_ok(header: Buffer, payload: Buffer) -> bool:
         """Whether the CRC-32 in `header` matches header and payload."""
@@ -157,6 +168,7 @@ class StorageStats(msgspec.Struct, frozen=True, kw_only=True):
     num_errors: int = 0  # calls the store could not serve (unreachable, or failing fast while it is away)
     num_reconnects: int = 0  # times the store came back after being unreachable
     used_bytes: int = 0  # bytes this backend believes it holds; 0 when it cannot know
+    used_state_bytes: int = 0  # the part of used_bytes holding recurrent states, where known
     capacity_bytes: int = 0  # 0: no cap
     reachable: bool = True  # False while a remote store is considered away (calls fail fast)
 
@@ -166,7 +178,8 @@ class StorageCounters:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._values = dict.fromkeys(StorageStats.__struct_fields__, 0)
+        self._values: dict[str, int | bool] = dict.fromkeys(StorageStats.__struct_fields__, 0)
+        self._values["reachable"] = True  # a backend serves until it says otherwise
 
     def add(self, **deltas: int) -> None:
         with self._lock:
