@@ -1,0 +1,51 @@
+"""A default server (the file storage tier, its default directory and cap) reports the storage tier
+as up, with a non-zero capacity, and its use once something is backed up."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+REPORT_INTERVAL_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def default_live(tmp_path_factory: pytest.TempPathFactory, start_live_server_fn: Any, demo_checkpoint: Any) -> Iterator[Any]:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg")))  # the default directory, kept apart
+    server = start_live_server_fn(
+        demo_checkpoint, tmp_path_factory.mktemp("logs"), "--report-interval-s", str(REPORT_INTERVAL_S),
+        "--hicache-storage-dir", "",
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+        mp.undo()
+
+
+def _sample(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split(" ")[1])
+    raise AssertionError(f"{name} not in the scrape")
+
+
+def test_a_default_server_reports_storage_up_with_its_capacity_and_use(default_live: Any):
+    default_live.post_json(
+        "/v1/completions",
+        {"prompt": "".join(f"value_{i} = compute({i})\n" for i in range(30)), "max_tokens": 2, "temperature": 0},
+    )
+    deadline = time.monotonic() + 20
+    while True:
+        text = default_live.get("/metrics").body.decode()
+        used = _sample(text, 'himamba_pool_used_bytes{kind="kv",tier="storage"}')
+        if used > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(REPORT_INTERVAL_S)
+    assert _sample(text, "himamba_cache_storage_up") == 1
+    assert _sample(text, 'himamba_pool_capacity_bytes{kind="kv",tier="storage"}') > 0
+    assert used > 0, "the backup is on disk but the storage pool shows nothing"
