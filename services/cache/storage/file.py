@@ -181,17 +181,66 @@ class FileBackend(StorageBackend):
     def get_pages(self, keys: Sequence[bytes], dest: Sequence[Buffer]) -> int:
         self._check_open()
         check_batch(keys, dest, "dest")
-        fds: dict[str, int] = {}
+        fds: dict[str, int] = {}  # per call: measured faster cold than descriptors kept open
         try:
             n = 0
-            for key, buf in zip(keys, dest):
-                if not self._read(ValueKind.KV, key, buf, fds):
+            while n < len(keys):
+                # Values written together lie back to back: read such a run in one call, straight
+                # into the callers' buffers, then verify each; a run of one is the general case.
+                run = self._run_at(keys, dest, n)
+                if len(run) > 1 and self._read_run(run, keys, dest, n, fds):
+                    n += len(run)
+                    continue
+                if not self._read(ValueKind.KV, keys[n], dest[n], fds):
                     break
                 n += 1
             return n
         finally:
             for fd in fds.values():
                 os.close(fd)
+
+    def _run_at(self, keys: Sequence[bytes], dest: Sequence[Buffer], start: int) -> list[tuple[_Segment, int, int]]:
+        run: list[tuple[_Segment, int, int]] = []
+        for i in range(start, len(keys)):
+            ent = self._index.get((ValueKind.KV, keys[i]))
+            if ent is None or ent[2] != memoryview(dest[i]).nbytes:
+                break
+            if run and (ent[0] is not run[0][0] or ent[1] != run[-1][1] + HEADER_BYTES + run[-1][2]):
+                break
+            run.append(ent)
+        return run
+
+    def _read_run(
+        self, run: list[tuple[_Segment, int, int]], keys: Sequence[bytes], dest: Sequence[Buffer], start: int,
+        fds: dict[str, int],
+    ) -> bool:
+        """Read and verify a run of back-to-back values; False (nothing counted) if any is not
+        whole and valid: the caller then reads them one by one, which tells misses and corruption."""
+        seg = run[0][0]
+        fd = fds.get(seg.name)
+        if fd is None:
+            try:
+                fd = fds[seg.name] = os.open(seg.path, os.O_RDONLY)
+            except OSError:
+                return False
+        heads = [bytearray(HEADER_BYTES) for _ in run]
+        outs = [memoryview(dest[start + i]).cast("B") for i in range(len(run))]
+        iov: list[Buffer] = []
+        for h, o in zip(heads, outs):
+            iov += [h, o]
+        total = sum(HEADER_BYTES + e[2] for e in run)
+        try:
+            if os.preadv(fd, iov, run[0][1]) != total:
+                return False
+        except OSError:
+            return False
+        codec = self.codec
+        for i, (h, o) in enumerate(zip(heads, outs)):
+            if codec.problem(h, ValueKind.KV, keys[start + i], o.nbytes) is not None or not codec.checksum_ok(h, o):
+                return False
+        self._touch(seg)
+        self.counters.add(num_read_pages=len(run), num_read_bytes=total)
+        return True
 
     def set_pages(self, keys: Sequence[bytes], blobs: Sequence[Buffer], token_count: int = 0) -> list[bool]:
         self._check_open()
@@ -327,6 +376,7 @@ class FileBackend(StorageBackend):
             pass  # gone, or a read-only store: recency is best effort
 
     # ---- reads ---------------------------------------------------------------------------------
+
 
     def _read(self, kind: ValueKind, key: bytes, dest: Buffer, fds: dict[str, int]) -> bool:
         out = memoryview(dest).cast("B")
