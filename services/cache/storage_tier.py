@@ -252,11 +252,16 @@ class StorageTier:
         pf.lookup = self.io.lookup(keys, needs_state=self.needs_state)
         self.prefetches[rid] = pf
 
+    def _useless(self, pf: _Prefetch, hit: StorageHit) -> bool:
+        """A miss: storage holds less than the threshold beyond what the tree serves."""
+        ps = self.page_size
+        return hit.num_pages * ps - pf.base_len < max(self.cfg.prefetch_threshold, ps) or hit.num_pages <= pf.first_page
+
     def _after_lookup(self, pf: _Prefetch, hit: StorageHit) -> None:
         ps = self.page_size
         thr = max(self.cfg.prefetch_threshold, ps)
         n = hit.num_pages
-        if n * ps - pf.base_len < thr or n <= pf.first_page:
+        if self._useless(pf, hit):
             self._end(pf, "miss")
             return
         # Decide before evicting: what host eviction could free at most (the anchor is pinned, so
@@ -448,13 +453,25 @@ class StorageTier:
                     left.append(item)
             self._backups = left
         now = time.monotonic()
+        # Lookups that ended: misses (and given-up ones) first, so the anchors they pinned are
+        # released before a hit decides what host eviction could free.
+        ended = [
+            p
+            for p in [*self.prefetches.values(), *self._detached]
+            if p.phase == "lookup" and p.lookup is not None and p.lookup.done()
+        ]
+        hits = []
+        for pf in ended:
+            if pf.detached:
+                self._release_anchor(pf)
+                pf.phase = "ready"
+            elif self._useless(pf, pf.lookup.result()):  # type: ignore[union-attr]
+                self._end(pf, "miss")
+            else:
+                hits.append(pf)
+        for pf in hits:
+            self._after_lookup(pf, pf.lookup.result())  # type: ignore[union-attr]
         for pf in [*self.prefetches.values(), *self._detached]:
-            if pf.phase == "lookup" and pf.lookup is not None and pf.lookup.done():
-                if pf.detached:
-                    self._release_anchor(pf)
-                    pf.phase = "ready"
-                else:
-                    self._after_lookup(pf, pf.lookup.result())
             if pf.phase == "fetch" and pf.handle is not None:
                 if pf.handle.future.done():
                     self._finalise(pf)

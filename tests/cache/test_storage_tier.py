@@ -372,3 +372,29 @@ def test_best_effort_serves_a_hybrid_the_deepest_arrived_prefix_with_its_state(t
     assert res.cached.storage == 24 == res.cached_len, "the arrived prefix and its state were discarded"
     rig.drain()
     rig.close()
+
+
+def test_anchors_of_missed_lookups_are_released_before_a_hit_decides(tmp_path):
+    toks = _prompt(41, 4)
+    _stored_prefix(tmp_path, toks)
+    rig = Rig(tmp_path, host_pages=12, host_slots=8, hicache_storage_prefetch_policy="wait_complete")
+    others = [_prompt(17, 200 + i) for i in range(3)]
+    for i, o in enumerate(others):
+        rig.serve(f"o{i}", o, prefetch=False)  # 4 pages each: the host is full
+    rig.drain()
+    assert rig.ctrl.host_kv.num_free == 0
+    # In one step: one prefetch for the stored 10-page prefix, which needs the whole host, then
+    # three anchored on those prefixes (storage holds nothing more: misses).
+    rig.ctrl.apply(Prefetch(rid="hit", tokens=toks + [3]))
+    for i, o in enumerate(others):
+        rig.ctrl.apply(Prefetch(rid=f"m{i}", tokens=o + _prompt(12, 300 + i)))
+    deadline = time.monotonic() + 5
+    while not all(pf.lookup.done() for pf in rig.tier.prefetches.values()):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    rig.ctrl.poll_storage()  # every lookup ends in this one poll
+    assert rig.tier.prefetches["hit"].phase == "fetch", dict(rig.tier.counters.outcomes)
+    for rid in ["m0", "m1", "m2", "hit"]:
+        rig.ctrl.apply(CancelPrefetch(rid=rid))
+    rig.drain()
+    rig.close()
