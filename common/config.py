@@ -241,7 +241,7 @@ class CacheConfig(_Section):
     hicache_storage_dir: Annotated[str, doc('The file backend\'s directory; "": $XDG_CACHE_HOME/himamba/storage.')] = ""
     hicache_storage_max_bytes: Annotated[
         NonNegInt,
-        doc("The file backend's size cap in bytes, over its whole directory; 0: 10% of the free space at start."),
+        doc("The file backend's size cap in bytes, over its whole directory; 0: a tenth of the free space at start."),
     ] = 0
     hicache_storage_url: Annotated[
         str,
