@@ -27,11 +27,13 @@ def default_live(tmp_path_factory: pytest.TempPathFactory, start_live_server_fn:
         mp.undo()
 
 
-def _sample(text: str, name: str) -> float:
-    """The sample's value; NaN while the series is not exported yet (its first report may be late)."""
+def _sample(text: str, name: str, **labels: str) -> float:
+    """The value of the series `name` with these labels (others, like model_name, may be there too);
+    NaN while it is not exported yet (its first report may be late)."""
     for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split(" ")[1])
+        series, _, value = line.rpartition(" ")
+        if series.split("{")[0] == name and all(f'{k}="{v}"' in series for k, v in labels.items()):
+            return float(value)
     return float("nan")
 
 
@@ -43,10 +45,10 @@ def test_a_default_server_reports_storage_up_with_its_capacity_and_use(default_l
     deadline = time.monotonic() + 20
     while True:
         text = default_live.get("/metrics").body.decode()
-        used = _sample(text, 'himamba_pool_used_bytes{kind="kv",tier="storage"}')
+        used = _sample(text, "himamba_pool_used_bytes", kind="kv", tier="storage")
         if used > 0 or time.monotonic() > deadline:  # NaN > 0 is False: keep scraping
             break
         time.sleep(REPORT_INTERVAL_S)
     assert _sample(text, "himamba_cache_storage_up") == 1
-    assert _sample(text, 'himamba_pool_capacity_bytes{kind="kv",tier="storage"}') > 0
+    assert _sample(text, "himamba_pool_capacity_bytes", kind="kv", tier="storage") > 0
     assert used > 0, "the backup is on disk but the storage pool shows nothing"
