@@ -239,7 +239,10 @@ class CacheConfig(_Section):
         Literal["none", "file", "mooncake", "redis"], doc("The storage tier (L3) behind the host pools.")
     ] = "file"
     hicache_storage_dir: Annotated[str, doc('The file backend\'s directory; "": $XDG_CACHE_HOME/himamba/storage.')] = ""
-    hicache_storage_max_bytes: Annotated[NonNegInt, doc("The file backend's size cap in bytes; 0: none.")] = 0
+    hicache_storage_max_bytes: Annotated[
+        NonNegInt,
+        doc("The file backend's size cap in bytes, over its whole directory; 0: a tenth of the free space at start."),
+    ] = 0
     hicache_storage_url: Annotated[
         str,
         doc(
@@ -273,6 +276,18 @@ class CacheConfig(_Section):
     debug_storage_slow_s: Annotated[NonNegFloat, doc("Test hook: seconds every storage call sleeps.", hidden=True)] = (
         0.0
     )
+    # Test hooks in the worker's copy path: 1-based counts over the worker's life of the copy orders
+    # in `debug_transfer_direction`; 0: off.
+    debug_transfer_direction: Annotated[
+        Literal["any", "d2h", "h2d"], doc("Test hook: which copy orders the copy hooks count.", hidden=True)
+    ] = "any"
+    debug_transfer_fail_at: Annotated[NonNegInt, doc("Test hook: the Nth copy order fails.", hidden=True)] = 0
+    debug_batch_fail_at_transfer: Annotated[
+        NonNegInt, doc("Test hook: the batch carrying the Nth copy order fails after its copies.", hidden=True)
+    ] = 0
+    debug_worker_exit_at_transfer: Annotated[
+        NonNegInt, doc("Test hook: the worker process dies during the Nth copy order.", hidden=True)
+    ] = 0
 
 
 class LogConfig(_Section):

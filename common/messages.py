@@ -400,9 +400,12 @@ class PrefetchDone(Message):
 
 
 class TransfersDone(Message):
-    """The worker finished these copy orders (sent to the cache controller)."""
+    """The worker ended these copy orders (sent to the cache controller): `op_ids` ran, `failed`
+    did not (or not wholly): the controller rolls back what they assigned. Every order the worker
+    received ends in exactly one of the two lists, whatever happened to its batch."""
 
     op_ids: list[int]
+    failed: list[int] = []
 
 
 class GetCacheStats(Message):
@@ -442,6 +445,9 @@ class CacheStats(Message):
     cached_slots: int = 0
     running_requests: int = 0
     cache_steps: int = 0  # CacheStep round trips served since the controller started
+    host_pages_protected: int = 0  # pinned by copies in flight (0 once every copy has ended)
+    host_states_protected: int = 0
+    failed_transfers: int = 0  # copy orders the worker reported failed (rolled back)
     invariants_ok: bool = True
     invariants_error: str = ""
 

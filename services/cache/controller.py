@@ -116,6 +116,7 @@ class CacheController:
         self.evicted_pages = 0
         self.evicted_states = 0
         self.host_copies = HostCopyCounts()  # acknowledged device<->host copies, for metrics
+        self.failed_transfers = 0  # copy orders the worker reported failed (rolled back)
         self.cfg = cfg
         self.page_size = cfg.page_size
         self.device_kv = PageAllocator(num_pages)
@@ -183,10 +184,14 @@ class CacheController:
     def take_transfers(self) -> list[Transfer]:
         """Copy orders produced by the ops applied since the last call, in execution order."""
         out, self._transfers = self._transfers, []
+        if self.tree is not None and self.tree.num_taints:
+            self.tree.retry_rollbacks()  # the step's Releases may have unlocked what a failed copy left
         return out
 
-    def transfers_done(self, op_ids: list[int]) -> None:
-        """The worker executed these orders: release what the tree protected for them."""
+    def transfers_done(self, op_ids: list[int], failed: list[int] | tuple[int, ...] = ()) -> None:
+        """The worker executed `op_ids` (release what the tree protected for them) and could not
+        execute `failed` (roll back what they assigned: see `transfers_failed`)."""
+        self.transfers_failed(failed)
         assert self.tree is not None or not op_ids
         for op_id in op_ids:
             op = self.pending.pop(op_id, None)
@@ -201,6 +206,21 @@ class CacheController:
                 if self.storage is not None:
                     # The host copy is acknowledged: now storage may read it.
                     self.storage.backup(op.node)
+
+    def transfers_failed(self, op_ids: list[int] | tuple[int, ...]) -> None:
+        """The worker could not execute these orders: the tree releases their pins and forgets the
+        copies they would have written (a failed load leaves the host copy, a failed backup the
+        device one), so no later hit reads memory that was never written."""
+        for op_id in op_ids:
+            op = self.pending.pop(op_id, None)
+            if op is None:
+                continue  # unknown or already ended: an order ends once
+            self.failed_transfers += 1
+            assert self.tree is not None
+            if isinstance(op, LoadOp):
+                self.tree.load_back_failed(op)
+            else:
+                self.tree.backup_failed(op)
 
     # ------------------------------------------------------------ allocation (check, then evict)
 
@@ -551,6 +571,9 @@ class CacheController:
             cached_pages=self.tree.device_pages_used if self.tree else 0,
             cached_slots=self.tree.device_states_used if self.tree else 0,
             running_requests=len(self.requests),
+            host_pages_protected=self.tree.host_pages_protected if self.tree else 0,
+            host_states_protected=self.tree.host_states_protected if self.tree else 0,
+            failed_transfers=self.failed_transfers,
         )
 
     def check_invariants(self) -> None:

@@ -38,6 +38,13 @@ pages named in an order may be freed and reused at once; host pages (and host sl
 writes or reads stay pinned by host_ref / host_mamba_ref until `backup_done` / `load_back_done`,
 because storage threads touch host memory outside that order.
 
+Failed transfers. An order that fails (`backup_failed` / `load_back_failed`) releases its pins like
+a done one and rolls back what it assigned: the copies on the tier it should have written are
+dropped, with everything hanging below them on that tier (their path runs through memory that was
+never written). What a lock or pin still holds is rolled back later (`retry_rollbacks`); until
+then the node is TAINTED: matches, probes and host matches stop above it, and `tainted(node)` tells
+the storage tier not to read it.
+
 Ownership. Everything handed to `insert` (pages and the state slot) belongs to the tree afterwards:
 duplicates and an unused state slot are freed by the tree into their allocators.
 
@@ -268,6 +275,16 @@ class LoadOp:
     _state_node: TreeNode | None = field(repr=False)
 
 
+@dataclass(eq=False, slots=True)
+class _Taint:
+    """Copies on `tier` that a failed order never wrote: the whole subtree of `node` on that tier
+    (`subtree`), or only node's state there (a state-only order)."""
+
+    node: TreeNode
+    tier: Literal["device", "host"]
+    subtree: bool
+
+
 class _Freed:
     """Backup orders issued during one eviction call; the freed amounts come from the counters."""
 
@@ -338,6 +355,8 @@ class RadixTree:
         self._next_op_id = 1
         self._pending_backups: dict[int, BackupOp] = {}
         self._pending_loads: dict[int, LoadOp] = {}
+        self._taints: list[_Taint] = []  # failed orders' copies still to roll back
+        self._tainted: set[TreeNode] = set()  # their nodes, for the match paths' membership test
 
         self._dev_leaves: EvictionQueue = make_queue(eviction_policy, seed)
         self._dev_states: EvictionQueue = make_queue(eviction_policy, seed + 1)
@@ -449,9 +468,10 @@ class RadixTree:
         best_depth = 0
         dev_best = root
         dev_best_len = 0
+        tainted = self._tainted
         while pos < end:
             child = node.children.get(toks[pos : pos + ps])
-            if child is None:
+            if child is None or (tainted and child in tainted):
                 break
             key = child.key
             klen = len(key)
@@ -543,7 +563,7 @@ class RadixTree:
         on_host = True
         while pos < end:
             child = node.children.get(toks[pos : pos + ps])
-            if child is None:
+            if child is None or child in self._tainted:
                 break
             key = child.key
             m = len(key) if pos + len(key) <= end and toks[pos : pos + len(key)] == key else self._common_len(toks, pos, end, key)
@@ -569,7 +589,7 @@ class RadixTree:
         pos = 0
         while pos < len(toks):
             child = node.children.get(toks[pos : pos + ps])
-            if child is None or child.host_pages is None:
+            if child is None or child.host_pages is None or child in self._tainted:
                 return None
             key = child.key
             if pos + len(key) <= len(toks) and toks[pos : pos + len(key)] == key:
@@ -632,6 +652,8 @@ class RadixTree:
         upper.warm = node.warm
         upper.last_access = node.last_access
         upper.state_access = node.state_access
+        if node in self._tainted:
+            self._retaint_split(node, upper)
         return upper
 
     # ------------------------------------------------------------------ locks
@@ -1340,6 +1362,162 @@ class RadixTree:
         if self._pending_loads.pop(op.op_id, None) is not op:
             raise ValueError(f"op: load {op.op_id} is not pending in this tree")
         self._release_range(op._bottom, op._top, op._state_node)
+
+    # ------------------------------------------------------------------ failed transfers
+
+    def backup_failed(self, op: BackupOp) -> bool:
+        """The worker could not execute a backup: release its pins and drop the host copies it
+        assigned (and what hangs below them on host). Whether the rollback is complete; if not,
+        the rest happens in `retry_rollbacks` once nothing pins it, and the node stays tainted."""
+        if self._pending_backups.pop(op.op_id, None) is not op:
+            raise ValueError(f"op: backup {op.op_id} is not pending in this tree")
+        self._release_range(op._bottom, op._top, op._state_node)
+        return self._taint(op._bottom, op._top, op._state_node, "host")
+
+    def load_back_failed(self, op: LoadOp) -> bool:
+        """The worker could not execute a load: release its pins and drop the device copies it
+        assigned (and what hangs below them on device); the host copies stay. As `backup_failed`."""
+        if self._pending_loads.pop(op.op_id, None) is not op:
+            raise ValueError(f"op: load {op.op_id} is not pending in this tree")
+        self._release_range(op._bottom, op._top, op._state_node)
+        return self._taint(op._bottom, op._top, op._state_node, "device")
+
+    @property
+    def num_taints(self) -> int:
+        """Failed orders whose rollback waits for a lock or pin to go."""
+        return len(self._taints)
+
+    def tainted(self, node: TreeNode) -> bool:
+        """Whether root..node runs through a copy a failed order never wrote (rollback pending)."""
+        if not self._tainted:
+            return False
+        n: TreeNode | None = node
+        while n is not None:
+            if n in self._tainted:
+                return True
+            n = n.parent
+        return False
+
+    def retry_rollbacks(self) -> bool:
+        """Roll back what failed orders left behind locks or pins; whether none is left."""
+        if not self._taints:
+            return True
+        left = [t for t in self._taints if not self._roll_back(t)]
+        self._taints = left
+        self._tainted = {t.node for t in left}
+        return not left
+
+    def _taint(self, bottom: TreeNode | None, top: TreeNode, state_node: TreeNode | None, tier: str) -> bool:
+        if bottom is not None:
+            n = bottom
+            while n.parent is not top:  # the range's highest node: its subtree is unwritten
+                n = n.parent  # type: ignore[assignment]
+            t = _Taint(n, tier, True)  # type: ignore[arg-type]
+        else:
+            assert state_node is not None
+            t = _Taint(state_node, tier, False)  # type: ignore[arg-type]
+        if self._roll_back(t):
+            return True
+        self._taints.append(t)
+        self._tainted.add(t.node)
+        return False
+
+    def _retaint_split(self, node: TreeNode, upper: TreeNode) -> None:
+        # A subtree taint covers the new upper half too (its pages are the failed copy's);
+        # a state taint stays on the lower node, which keeps the state.
+        for t in self._taints:
+            if t.node is node and t.subtree:
+                t.node = upper
+        self._tainted = {t.node for t in self._taints}
+
+    def _roll_back(self, t: _Taint) -> bool:
+        """Drop the copies `t` names; False (nothing changed) while a lock or pin holds one."""
+        x = t.node
+        if not x.is_attached:
+            return True  # deleted meanwhile, with everything it held
+        if not t.subtree:
+            return self._drop_state_copy(x, t.tier)
+        on_tier = (lambda n: n.device_pages is not None) if t.tier == "device" else (lambda n: n.host_pages is not None)
+        order: list[TreeNode] = []  # the subtree on the tier, deepest first (each tier is top-closed)
+        stack = [x] if on_tier(x) else []
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack.extend(c for c in n.children.values() if on_tier(c))
+        order.reverse()
+        if t.tier == "device":
+            return self._drop_device_copies(order)
+        return self._drop_host_copies(order)
+
+    def _drop_state_copy(self, n: TreeNode, tier: str) -> bool:
+        if tier == "device":
+            if n.device_state is None:
+                return True
+            if n.mamba_lock_ref:
+                return False
+            self._dev_states.discard(n)
+            self._device_state.free([n.device_state])
+            n.device_state = None
+            self._dev_states_used -= 1
+            return True
+        if n.host_state is None:
+            return True
+        if n.host_mamba_ref:
+            return False
+        self._host_states.discard(n)
+        self._host_state.free([n.host_state])  # type: ignore[union-attr]
+        n.host_state = None
+        self._host_states_used -= 1
+        self._sync_host_kv(n)
+        return True
+
+    def _host_only_below(self, n: TreeNode) -> list[TreeNode]:
+        """The host-only nodes under device node n, deepest first."""
+        out: list[TreeNode] = []
+        stack = [c for c in n.children.values() if c.device_pages is None]
+        while stack:
+            c = stack.pop()
+            out.append(c)
+            stack.extend(c.children.values())
+        out.reverse()
+        return out
+
+    def _drop_device_copies(self, order: list[TreeNode]) -> bool:
+        doomed: list[TreeNode] = []  # host-only nodes that lose the device parent they hang from
+        for n in order:
+            if n.lock_ref or n.mamba_lock_ref:
+                return False
+            if n.host_pages is None:
+                doomed += self._host_only_below(n)
+        if any(d.host_ref or d.host_mamba_ref for d in doomed):
+            return False
+        acc = _Freed(self)
+        for d in doomed:
+            if d.is_attached:
+                self._delete(d, acc, on_device=False)
+        for n in order:
+            if not n.is_attached or n.device_pages is None:
+                continue
+            if n.host_pages is not None:
+                self._demote(n, acc)
+            else:
+                self._delete(n, acc, on_device=True)
+        return True
+
+    def _drop_host_copies(self, order: list[TreeNode]) -> bool:
+        if any(n.host_ref or n.host_mamba_ref for n in order):
+            return False
+        acc = _Freed(self)
+        for n in order:
+            if not n.is_attached or n.host_pages is None:
+                continue
+            if n.device_pages is not None:
+                self._host_mirrors.discard(n)
+                self._drop_mirror(n)
+            else:
+                self._host_leaves.discard(n)
+                self._delete(n, acc, on_device=False)
+        return True
 
     def _protect_host_kv(self, n: TreeNode) -> None:
         n.protect_host()

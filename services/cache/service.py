@@ -148,6 +148,7 @@ class CacheService(Actor[ToCache]):
         c = tier.counters
         backend = self._io.backend.stats()
         m[CACHE_STORAGE_UP].set(1 if backend.reachable else 0)
+        self._storage_pool_gauges(backend)
         now = {
             "backup_kv_bytes": c.backup_bytes - c.backup_state_bytes,
             "backup_state_bytes": c.backup_state_bytes,
@@ -178,6 +179,17 @@ class CacheService(Actor[ToCache]):
         io = self._io.stats()
         m[CACHE_TRANSFERS_IN_FLIGHT].labels(tier="storage").set(io.num_queued + io.num_running)
         self._storage_seen = now
+
+    def _storage_pool_gauges(self, backend: Any) -> None:
+        """The storage tier as a pool: its cap (shared by KV and states: reported once, as kv) and
+        what it holds; everything stored is evictable (nothing pins a stored value)."""
+        m = self.m
+        used = {"kv": backend.used_bytes - backend.used_state_bytes, "mamba": backend.used_state_bytes}
+        for kind, nbytes in used.items():
+            m[POOL_CAPACITY_BYTES].labels(tier="storage", kind=kind).set(backend.capacity_bytes if kind == "kv" else 0)
+            m[POOL_USED_BYTES].labels(tier="storage", kind=kind).set(nbytes)
+            m[POOL_EVICTABLE_BYTES].labels(tier="storage", kind=kind).set(nbytes)
+            m[POOL_PROTECTED_BYTES].labels(tier="storage", kind=kind).set(0)
 
     def _report_host_copies(self) -> None:
         m, now, seen = self.m, self.ctrl.host_copies, self._host_copies_seen  # type: ignore[union-attr]
@@ -350,8 +362,10 @@ class CacheService(Actor[ToCache]):
                 transfers = self.ctrl.take_transfers()
                 await self.scheduler.send(CacheStepDone(step_id=step_id, results=results, transfers=transfers))
                 self._storage_work.set()
-            case TransfersDone(op_ids=op_ids):
-                self.ctrl.transfers_done(op_ids)
+            case TransfersDone(op_ids=op_ids, failed=failed):
+                if failed:
+                    self.log.warning("the worker failed %d copy orders: rolling them back", len(failed))
+                self.ctrl.transfers_done(op_ids, failed)
                 self._storage_work.set()  # acknowledged host copies start storage backups
             case GetCacheStats(reply_to=reply_to, check_invariants=check):
                 stats = msgspec.structs.replace(self.ctrl.stats(), cache_steps=self._cache_steps)

@@ -45,6 +45,7 @@ from himamba.services.cache.storage.known_keys import KnownKeys
 _log = logging.getLogger("himamba.cache.storage")
 
 Phase = Literal["lookup", "fetch", "ready"]
+_MID_STATES = 3  # best_effort, hybrid models: intermediate states fetched with a prefix, at most
 
 
 class PrefetchPlan(NamedTuple):
@@ -83,6 +84,7 @@ class _Prefetch:
     handle: JobHandle | None = None
     ready_pin: HostPin | None = None
     fetched: tuple[int, int] = (0, 0)  # token range that came from storage
+    mid: list[tuple[int, int]] = field(default_factory=list)  # best_effort: (page count, host slot) of states on the way
     detached: bool = False  # its request no longer waits: finalise only
     revoked: bool = False
 
@@ -166,6 +168,8 @@ class StorageTier:
         """Write the host pages of root..node (and node's host state) that storage lacks."""
         if not node.is_attached or node.host_pages is None or node.parent is None:
             return False
+        if self.tree.tainted(node):
+            return False  # its path runs through host memory a failed copy never wrote
         self._forget_after_outage()
         keys = self.keys_of(node)
         pages: list[int] = []
@@ -229,47 +233,60 @@ class StorageTier:
         if usable - base_len < max(self.cfg.prefetch_threshold, ps):
             return
         toks = tuple(tokens[:usable])
+        host_len = min(host_len, usable)
+        anchor_pin = None
+        if host_len:
+            # The anchor (deepest host node before the fetched range) stays on host from now on,
+            # through the asynchronous lookup: a host eviction meanwhile must not void the hit.
+            anchor = self.tree.match_prefix_host(toks[:host_len])
+            if anchor is None:
+                return  # unreachable: the probe just saw it; no prefetch rather than a wrong one
+            anchor_pin = self.tree.protect_host(anchor, kv=True)
         keys = page_keys(None, toks, ps, self.fingerprint)
         now = time.monotonic()
         pf = _Prefetch(rid, keys, toks, host_len // ps, base_len, now, now + self.cfg.prefetch_timeout_max_s)
+        pf.anchor_pin = anchor_pin
         if self.cfg.hicache_storage_prefetch_policy == "timeout":
             budget = self.cfg.prefetch_timeout_base_s + self.cfg.prefetch_timeout_per_ki_token_s * usable / 1024
             pf.deadline = now + min(budget, self.cfg.prefetch_timeout_max_s)
         pf.lookup = self.io.lookup(keys, needs_state=self.needs_state)
         self.prefetches[rid] = pf
 
+    def _useless(self, pf: _Prefetch, hit: StorageHit) -> bool:
+        """A miss: storage holds less than the threshold beyond what the tree serves."""
+        ps = self.page_size
+        return hit.num_pages * ps - pf.base_len < max(self.cfg.prefetch_threshold, ps) or hit.num_pages <= pf.first_page
+
     def _after_lookup(self, pf: _Prefetch, hit: StorageHit) -> None:
         ps = self.page_size
         thr = max(self.cfg.prefetch_threshold, ps)
         n = hit.num_pages
-        if n * ps - pf.base_len < thr or n <= pf.first_page:
+        if self._useless(pf, hit):
             self._end(pf, "miss")
             return
-        # The anchor (deepest host node before the fetched range) must stay on host meanwhile.
-        anchor_len = pf.first_page * ps
-        if anchor_len:
-            m = self.tree.match_prefix_host(pf.tokens[:anchor_len])
-            if m is None:
-                self._end(pf, "anchor_gone")
+        # Decide before evicting: what host eviction could free at most (the anchor is pinned, so
+        # its path is not counted). Too little for the whole hit: adaptive fallback, cut back to the
+        # aligned size that fits, then to a page with a stored state; if that lands below the
+        # threshold the host tier is left exactly as it is.
+        can_have = self.host_kv.num_free + self.tree.host_pages_evictable
+        if n - pf.first_page > can_have:
+            n = pf.first_page + can_have
+            if self.needs_state:
+                n = max((k for k in hit.state_pages if k <= n), default=0)
+            if n * ps - pf.base_len < thr or n <= pf.first_page:
+                self._end(pf, "no_host_memory")
                 return
-            pf.anchor_pin = self.tree.protect_host(m, kv=True)
+            self.counters.truncations += 1
         need = n - pf.first_page
         pages = self.host_kv.alloc(need)
         if pages is None:
             self.tree.evict_host(need - self.host_kv.num_free)
             pages = self.host_kv.alloc(need)
         if pages is None:
-            # Adaptive: take the aligned free size, cut back to a page with a stored state.
-            avail = self.host_kv.num_free
-            n = pf.first_page + avail
-            if self.needs_state:
-                n = self._deepest_state_page(pf, n)
-            if n * ps - pf.base_len < thr or n <= pf.first_page:
-                self._end(pf, "no_host_memory")
-                return
-            pages = self.host_kv.alloc(n - pf.first_page)
-            assert pages is not None
-            self.counters.truncations += 1
+            # Unreachable: everything counted evictable is; fail the prefetch, never the loop.
+            _log.error("storage prefetch of %s: host eviction freed less than it counted", pf.rid)
+            self._end(pf, "no_host_memory")
+            return
         slot = None
         if self.needs_state:
             assert self.host_state is not None
@@ -285,23 +302,25 @@ class StorageTier:
         plan = PrefetchPlan(pf.tokens, pf.keys, pf.first_page, pages).truncate(n, ps)
         pf.plan, pf.host_slot, pf.phase = plan, slot, "fetch"
         state = StateCopy(plan.keys[-1], slot) if slot is not None else None
-        pf.handle = self.io.submit_prefetch(plan.keys[plan.first_page :], plan.host_pages, state, tag=("prefetch", pf.rid))
+        if slot is not None and self.cfg.hicache_storage_prefetch_policy == "best_effort":
+            pf.mid = self._mid_states(hit, pf.first_page, n)
+        pf.handle = self.io.submit_prefetch(
+            plan.keys[plan.first_page :], plan.host_pages, state, tag=("prefetch", pf.rid),
+            mid_states=[(at - plan.first_page, StateCopy(plan.keys[at - 1], s)) for at, s in pf.mid],
+        )
 
-    def _deepest_state_page(self, pf: _Prefetch, limit: int) -> int:
-        """Deepest page count <= limit ending at a stored state (asks the backend directly: this
-        runs only on the rare truncation path)."""
-        if limit <= pf.first_page:
-            return 0
-        try:
-            flags = self.io.backend.exists_states(pf.keys[:limit])
-        except Exception as e:  # noqa: BLE001 - a failing store is a miss
-            self.counters.errors["lookup"] += 1
-            _log.warning("storage state lookup failed: %s", e)
-            return 0
-        for i in range(limit - 1, pf.first_page - 1, -1):
-            if flags[i]:
-                return i + 1
-        return 0
+    def _mid_states(self, hit: StorageHit, first_page: int, end: int) -> list[tuple[int, int]]:
+        """best_effort on a hybrid model: a request admitted mid-fetch takes what has arrived, and
+        that is usable only up to a state. So stored states inside the fetch come along, read as
+        soon as their pages are, nearest first (the earliest to arrive), each in a free host slot
+        (never evicting for them): (page count, host slot)."""
+        assert self.host_state is not None
+        at = [k for k in hit.state_pages if first_page < k < end][:_MID_STATES]
+        slots = self.host_state.alloc(len(at)) if at else None
+        while at and slots is None:
+            at.pop()
+            slots = self.host_state.alloc(len(at)) if at else None
+        return list(zip(at, slots or []))
 
     def _finalise(self, pf: _Prefetch) -> None:
         assert pf.handle is not None and pf.plan is not None
@@ -316,15 +335,19 @@ class StorageTier:
             _log.warning("storage prefetch of %s failed after %d pages: %s", pf.rid, res.num_pages, res.error)
         got = res.num_pages
         state_ok = res.state_ok and got == len(plan.host_pages)
+        slot = pf.host_slot if state_ok else None
         if self.needs_state and not state_ok:
-            # A hit is atomic: KV without its state at the same position is useless here.
-            got = 0
+            # A hit is atomic: KV without its state at the same position is useless here, so
+            # end at the deepest intermediate state that arrived with all its pages, if any.
+            arrived = [(at, s) for at, s in pf.mid if at - plan.first_page in res.states_read]
+            got, slot = (arrived[-1][0] - plan.first_page, arrived[-1][1]) if arrived else (0, None)
         ps = self.page_size
         end = plan.first_page + got
         self.host_kv.free(plan.host_pages[got:])
-        slot = pf.host_slot if state_ok else None
-        if pf.host_slot is not None and slot is None:
-            self.host_state.free([pf.host_slot])  # type: ignore[union-attr]
+        unused = [s for s in (pf.host_slot, *(s for _, s in pf.mid)) if s is not None and s != slot]
+        if unused:
+            self.host_state.free(unused)  # type: ignore[union-attr]
+        pf.mid = []
         node = None
         if got:
             r = self.tree.insert_host(plan.tokens[: end * ps], plan.first_page, plan.host_pages[:got], slot, plan.keys[:end])
@@ -410,6 +433,7 @@ class StorageTier:
                 pages += pf.plan.host_pages
                 if pf.host_slot is not None:
                     slots.append(pf.host_slot)
+                slots += [s for _, s in pf.mid]
         return pages, slots
 
     # ------------------------------------------------------------ progress
@@ -429,12 +453,25 @@ class StorageTier:
                     left.append(item)
             self._backups = left
         now = time.monotonic()
+        # Lookups that ended: misses (and given-up ones) first, so the anchors they pinned are
+        # released before a hit decides what host eviction could free.
+        ended = [
+            p
+            for p in [*self.prefetches.values(), *self._detached]
+            if p.phase == "lookup" and p.lookup is not None and p.lookup.done()
+        ]
+        hits = []
+        for pf in ended:
+            if pf.detached:
+                self._release_anchor(pf)
+                pf.phase = "ready"
+            elif self._useless(pf, pf.lookup.result()):  # type: ignore[union-attr]
+                self._end(pf, "miss")
+            else:
+                hits.append(pf)
+        for pf in hits:
+            self._after_lookup(pf, pf.lookup.result())  # type: ignore[union-attr]
         for pf in [*self.prefetches.values(), *self._detached]:
-            if pf.phase == "lookup" and pf.lookup is not None and pf.lookup.done():
-                if pf.detached:
-                    pf.phase = "ready"
-                else:
-                    self._after_lookup(pf, pf.lookup.result())
             if pf.phase == "fetch" and pf.handle is not None:
                 if pf.handle.future.done():
                     self._finalise(pf)

@@ -8,12 +8,14 @@ ordering guarantee the cache controller relies on: an order runs before any late
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from himamba.common.host_layout import HostPoolLayout, StateComponentLayout
 from himamba.common.host_pool import HostPools, open_host_pools
-from himamba.common.messages import Transfer
+from himamba.common.messages import SeqPlan, Transfer
 from himamba.services.worker.pools import KVPool, StatePool
 
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -43,15 +45,142 @@ def host_layout(kv: KVPool, state: StatePool, num_pages: int, num_slots: int) ->
     )
 
 
+class TransferFault(RuntimeError):
+    """A copy order failed on purpose (the debug fault-injection hook)."""
+
+
+class CopyFaults:
+    """The test hooks of the copy path (CacheConfig.debug_*_at*), counted over copy orders: the
+    Nth order fails, the batch carrying the Nth order fails after its copies, the process dies
+    during the Nth order (before any byte of it is copied)."""
+
+    def __init__(self, fail_at: int = 0, batch_fail_at: int = 0, exit_at: int = 0, direction: str = "any"):
+        self.fail_at, self.batch_fail_at, self.exit_at = fail_at, batch_fail_at, exit_at
+        self.direction = direction
+        self.seen = 0
+        self.fail_batch = False
+
+    def before(self, t: Transfer) -> None:
+        if self.direction != "any" and t.direction != self.direction:
+            return
+        self.seen += 1
+        if self.seen == self.exit_at:
+            os._exit(70)  # a worker killed with copies in flight
+        if self.seen == self.batch_fail_at:
+            self.fail_batch = True
+        if self.seen == self.fail_at:
+            raise TransferFault(f"copy order {t.op_id} failed (debug_transfer_fail_at={self.fail_at})")
+
+
+class TransferOutcome(NamedTuple):
+    """How a batch's copy orders ended: each op id is in exactly one list."""
+
+    done: list[int]
+    failed: list[int]
+    error: str  # why the first failed order failed ("" when none did)
+
+
+class UnwrittenMemory:
+    """Memory a failed copy order should have written and did not: its destinations keep their
+    old bytes. Nothing may read them until something writes them again: a copy reading them
+    fails, a batch reading them fails (an error, never a silently wrong answer). The cache
+    controller rolls back its tree at the same time; this guards the window in between."""
+
+    def __init__(self) -> None:
+        self.dev_pages: set[int] = set()
+        self.dev_slots: set[int] = set()
+        self.host_pages: set[int] = set()
+        self.host_slots: set[int] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.dev_pages or self.dev_slots or self.host_pages or self.host_slots)
+
+    def _sides(self, t: Transfer) -> tuple[tuple[set[int], set[int]], tuple[set[int], set[int]]]:
+        dev, host = (self.dev_pages, self.dev_slots), (self.host_pages, self.host_slots)
+        return (dev, host) if t.direction == "d2h" else (host, dev)
+
+    def reads_unwritten(self, t: Transfer) -> bool:
+        (pages, slots), _ = self._sides(t)
+        return bool(pages.intersection(t.kv_src) or slots.intersection(t.state_src))
+
+    def failed(self, t: Transfer) -> None:
+        _, (pages, slots) = self._sides(t)
+        pages.update(t.kv_dst)
+        slots.update(t.state_dst)
+
+    def written(self, t: Transfer) -> None:
+        _, (pages, slots) = self._sides(t)
+        pages.difference_update(t.kv_dst)
+        slots.difference_update(t.state_dst)
+
+    def check_batch(self, seqs: Sequence[SeqPlan], tables: Sequence[Any], page_size: int) -> None:
+        """ValueError if the batch's forward would read device memory a failed copy never wrote.
+        `tables[i]` is seqs[i]'s page table (its `slots`: token slots, `num_pages`)."""
+        if not (self.dev_pages or self.dev_slots):
+            return
+        for s, pages in zip(seqs, _pages_of(tables, page_size)):
+            read = pages[: -(-s.prefix_len // page_size)]
+            bad = self.dev_pages.intersection(read)
+            src = s.state_src if s.state_init == "copy" else s.state_slot if s.state_init == "keep" and s.prefix_len else None
+            if bad or (src is not None and src in self.dev_slots):
+                raise ValueError(f"{s.rid}: reads device memory that a failed copy order never wrote")
+
+    def batch_ran(self, seqs: Sequence[SeqPlan], tables: Sequence[Any], page_size: int) -> None:
+        """The forward wrote its new tokens' pages and its state slots."""
+        if not (self.dev_pages or self.dev_slots):
+            return
+        for s, pages in zip(seqs, _pages_of(tables, page_size)):
+            self.dev_pages.difference_update(pages[s.prefix_len // page_size :])
+            self.dev_slots.discard(s.state_slot)
+            self.dev_slots.difference_update(slot for _, slot in s.captures)
+
+    def slots_zeroed(self, slots: Sequence[int]) -> None:
+        self.dev_slots.difference_update(slots)
+
+
+def _pages_of(tables: Sequence[Any], page_size: int) -> list[list[int]]:
+    return [(t.slots[: t.num_pages * page_size : page_size] // page_size).tolist() for t in tables]
+
+
 class HostTransfer:
     """Executes Transfer orders between the device pools and the shared host pools."""
 
-    def __init__(self, kv: KVPool, state: StatePool, layout: HostPoolLayout, device: torch.device):
+    def __init__(
+        self, kv: KVPool, state: StatePool, layout: HostPoolLayout, device: torch.device, faults: CopyFaults | None = None
+    ):
         self.device = device
         self.kv = kv
         self.state = state
         self.layout = layout
         self.host: HostPools = open_host_pools(layout, create=True)
+        self.faults = faults or CopyFaults()
+        self.unwritten = UnwrittenMemory()
+
+    def run_orders(self, transfers: Sequence[Transfer]) -> TransferOutcome:
+        """Run a batch's copy orders in order; never raises. An order either ran whole (done) or
+        failed; after a failure the rest of the batch's orders fail too without running, since a
+        later order may read what the failed one should have written. A failed order's
+        destinations are remembered as unwritten (`self.unwritten`)."""
+        done: list[int] = []
+        failed: list[int] = []
+        error = ""
+        for t in transfers:
+            if not failed:
+                try:
+                    self.faults.before(t)
+                    if self.unwritten.reads_unwritten(t):
+                        raise ValueError(f"copy order {t.op_id} reads memory that a failed copy order never wrote")
+                    self.run(t)
+                except Exception as e:  # noqa: BLE001 - any failure ends the order as failed, reported
+                    error = f"{type(e).__name__}: {e}"
+                else:
+                    if self.unwritten:
+                        self.unwritten.written(t)
+                    done.append(t.op_id)
+                    continue
+            self.unwritten.failed(t)
+            failed.append(t.op_id)
+        return TransferOutcome(done, failed, error)
 
     def close(self) -> None:
         self.host.close(unlink=True)

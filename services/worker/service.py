@@ -32,7 +32,7 @@ from himamba.common.metrics_report import MetricsReporter
 from himamba.common.transport import Outbox
 from himamba.common.wire import WireError, tensor_ref
 from himamba.services.actor import Actor
-from himamba.services.worker.host_transfer import HostTransfer, host_layout
+from himamba.services.worker.host_transfer import CopyFaults, HostTransfer, host_layout
 from himamba.services.worker.loader import load_model
 from himamba.services.worker.memory import plan_pools
 from himamba.services.worker.page_tables import PageTables
@@ -85,7 +85,12 @@ class WorkerService(Actor[ToWorker]):
         self.kv = KVPool(kv_spec, plan.num_pages, self.page_size, self.device)
         self.state = StatePool(state_spec, plan.num_state_slots, self.device)
         layout = host_layout(self.kv, self.state, plan.num_host_pages, plan.num_host_state_slots)
-        self.host = HostTransfer(self.kv, self.state, layout, self.device)
+        c = cfg.cache
+        faults = CopyFaults(
+            c.debug_transfer_fail_at, c.debug_batch_fail_at_transfer, c.debug_worker_exit_at_transfer,
+            c.debug_transfer_direction,
+        )
+        self.host = HostTransfer(self.kv, self.state, layout, self.device, faults)
         self.tables = PageTables(self.page_size, plan.num_pages, self.model.vocab_size, self.device)
         self.info = WorkerInfo(
             vocab_size=self.model.vocab_size,
@@ -125,6 +130,7 @@ class WorkerService(Actor[ToWorker]):
                 await self.on_run_batch(msg, frames)
             case ResetState(slots=slots):
                 self.state.zero(torch.tensor(slots, dtype=torch.int64, device=self.device))
+                self.host.unwritten.slots_zeroed(slots)
             case Hello(service=service):
                 # A restarted peer missed our WorkerInfo. Answered in inbox order, so it also
                 # tells the peer that every batch (and copy) sent before its Hello has run.
@@ -141,8 +147,17 @@ class WorkerService(Actor[ToWorker]):
     async def on_run_batch(self, msg: RunBatch, frames: list[Any]) -> None:
         t0 = time.perf_counter()
         self.tables.drop(msg.dropped)
+        # Every copy order ends here, done or failed, whatever happens to the forward; the cache
+        # hears first, so it has rolled back failed copies before the scheduler's next step.
+        copies = self.host.run_orders(msg.transfers)
+        if copies.done or copies.failed:
+            await self.cache.send(TransfersDone(op_ids=copies.done, failed=copies.failed))
         try:
-            done_ops = self.run_transfers(msg)
+            if copies.failed:
+                self.log.error("batch %d: %d copy orders failed: %s", msg.batch_id, len(copies.failed), copies.error)
+            if self.host.faults.fail_batch:
+                self.host.faults.fail_batch = False
+                raise RuntimeError("batch failed (debug_batch_fail_at_transfer)")
             if msg.mode == "none" or not msg.seqs:
                 result = BatchDone(batch_id=msg.batch_id, next_tokens=[])
                 tensors: list[torch.Tensor] = []
@@ -165,14 +180,6 @@ class WorkerService(Actor[ToWorker]):
         await self.scheduler.send(result, tensors)
         self.m[WORKER_STEP_TIME].labels(mode=msg.mode).observe(time.perf_counter() - t0)
         self.m[WORKER_STEP_TOKENS].labels(mode=msg.mode).inc(sum(q.new_len for q in msg.seqs))
-        if done_ops:
-            await self.cache.send(TransfersDone(op_ids=done_ops))
-
-    def run_transfers(self, msg: RunBatch) -> list[int]:
-        """Device<->host copies ordered by the cache controller, before this batch's forward."""
-        for t in msg.transfers:
-            self.host.run(t)
-        return [t.op_id for t in msg.transfers]
 
     async def stop(self) -> None:
         if hasattr(self, "host"):
@@ -181,6 +188,7 @@ class WorkerService(Actor[ToWorker]):
     @torch.inference_mode()
     def forward(self, msg: RunBatch, frames: list[Any]) -> tuple[BatchDone, list[torch.Tensor]]:
         batch, states = build_forward_batch(msg, frames, self.tables, self.state.num_slots, self.device)
+        self.host.unwritten.check_batch(msg.seqs, states, self.page_size)  # before anything is written
         zero = [s.state_slot for s in msg.seqs if s.state_init == "zero"]
         if zero:
             self.state.zero(torch.tensor(zero, dtype=torch.int64, device=self.device))
@@ -190,6 +198,7 @@ class WorkerService(Actor[ToWorker]):
             dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=self.device)
             self.state.copy(src, dst)
         logits = self.model.forward(batch, self.kv, self.state)
+        self.host.unwritten.batch_ran(msg.seqs, states, self.page_size)
         final = [(s.state_slot, slot) for s in msg.seqs for off, slot in s.captures if off == s.new_len]
         if final:
             src = torch.tensor([f[0] for f in final], dtype=torch.int64, device=self.device)

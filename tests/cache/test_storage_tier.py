@@ -260,3 +260,141 @@ def test_known_keys_forget_the_oldest_beyond_their_bound():
     assert len(known) == 0 and b"a" not in known
     with pytest.raises(ValueError, match="max_keys"):
         KnownKeys(0)
+
+
+def _stored_prefix(store, toks):
+    """A store holding `toks` (10 pages) with states at pages 4, 6 and 10."""
+    first = Rig(store)
+    first.serve("a", toks[:17])
+    first.serve("b", toks[:25])
+    first.serve("c", toks)
+    first.drain()
+    first.close()
+
+
+def _wait_lookup(rig, rid):
+    deadline = time.monotonic() + 5
+    while rig.tier.prefetches[rid].phase == "lookup":
+        assert time.monotonic() < deadline, "the lookup never finished"
+        time.sleep(0.005)
+        rig.ctrl.poll_storage()
+
+
+def _full_host(store, threshold_pages):
+    """6 host pages, all holding other prefixes (evictable); the store as above."""
+    rig = Rig(store, host_pages=6, host_slots=4, prefetch_threshold=threshold_pages * PS,
+              hicache_storage_prefetch_policy="wait_complete")
+    for i in range(3):
+        rig.serve(f"o{i}", _prompt(9, 100 + i), prefetch=False)  # 2 pages each, backed up to host
+    rig.drain()
+    assert rig.ctrl.tree.host_pages_used == 6 and rig.ctrl.host_kv.num_free == 0
+    return rig
+
+
+def test_the_fallback_leaves_the_host_tier_untouched_when_it_would_land_below_the_threshold(tmp_path):
+    toks = _prompt(41, 4)
+    _stored_prefix(tmp_path, toks)
+    # 6 host pages at most; the deepest state within 6 pages is at 6 < the 7-page threshold.
+    rig = _full_host(tmp_path, threshold_pages=7)
+    rig.ctrl.apply(Prefetch(rid="d", tokens=toks + [3]))
+    _wait_lookup(rig, "d")
+    assert rig.tier.counters.outcomes["prefetch_no_host_memory"] == 1
+    assert rig.ctrl.tree.host_pages_used == 6, "the host tier was evicted for a prefetch then abandoned"
+    rig.ctrl.apply(CancelPrefetch(rid="d"))
+    rig.drain()
+    rig.close()
+
+
+def test_the_fallback_evicts_and_fetches_when_the_cut_hit_reaches_the_threshold(tmp_path):
+    toks = _prompt(41, 4)
+    _stored_prefix(tmp_path, toks)
+    rig = _full_host(tmp_path, threshold_pages=5)
+    res = rig.serve("d", toks + [3])
+    assert rig.tier.counters.truncations == 1
+    assert res.cached.storage == 6 * PS == res.cached_len  # cut back to the state at page 6
+    rig.drain()
+    rig.close()
+
+
+def test_the_anchor_stays_pinned_through_the_lookup(tmp_path):
+    toks = _prompt(41, 4)
+    _stored_prefix(tmp_path, toks)
+    rig = Rig(tmp_path / "other", host_pages=64, host_slots=8, hicache_storage_prefetch_policy="wait_complete")
+    rig.backend = FileBackend(FP, tmp_path)
+    rig.io = StorageIO(rig.backend, rig.host_kv, rig.host_state, page_size=PS, prefetch_budget_tokens=1024, batch_pages=2)
+    rig.tier = rig.ctrl.attach_storage(rig.io, FP)
+    rig.serve("a", toks[:17], prefetch=False)  # 4 pages on host: the anchor of the next prefetch
+    rig.drain()
+    rig.ctrl.apply(Prefetch(rid="p", tokens=toks + [5]))
+    assert rig.tier.prefetches["p"].first_page == 4
+    tree = rig.ctrl.tree
+    tree.evict(10**6)
+    tree.evict_host(10**6)  # host pressure while the lookup runs
+    assert tree.host_pages_used == 4, "the anchor was evicted during the lookup"
+    res = rig.serve("p", toks + [5])
+    assert "prefetch_anchor_gone" not in rig.tier.counters.outcomes
+    assert res.cached_len == 40 and res.cached.storage == 24 and res.cached.host == 16
+    rig.drain()
+    rig.close()
+
+
+class _Gate(FileBackend):
+    """A file backend whose page reads stop after `allow` pages until `go` is set."""
+
+    def __init__(self, store, allow: int):
+        super().__init__(FP, store)
+        import threading
+
+        self.allow, self.served = allow, 0
+        self.blocked, self.go = threading.Event(), threading.Event()
+
+    def get_pages(self, keys, dest):
+        if self.served >= self.allow:
+            self.blocked.set()
+            assert self.go.wait(10), "the test never opened the gate"
+        n = super().get_pages(keys, dest)
+        self.served += n
+        return n
+
+
+def test_best_effort_serves_a_hybrid_the_deepest_arrived_prefix_with_its_state(tmp_path):
+    toks = _prompt(41, 4)
+    _stored_prefix(tmp_path, toks)  # states at pages 4, 6 and 10
+    gate = _Gate(tmp_path, allow=6)
+    rig = Rig(tmp_path, backend=gate, hicache_storage_prefetch_policy="best_effort")
+    rig.ctrl.apply(Prefetch(rid="x", tokens=toks + [7]))
+    _wait_lookup(rig, "x")
+    assert gate.blocked.wait(10)  # 6 pages and the states at 4 and 6 arrived; the rest is slow
+    res = rig.ctrl.admit(Admit(rid="x", tokens=toks + [7], num_slots=1))
+    assert res.prefetching  # revoked: it ends at the next batch boundary
+    gate.go.set()
+    res = rig.serve("x", toks + [7], prefetch=False)  # checks every served byte
+    assert res.cached.storage == 24 == res.cached_len, "the arrived prefix and its state were discarded"
+    rig.drain()
+    rig.close()
+
+
+def test_anchors_of_missed_lookups_are_released_before_a_hit_decides(tmp_path):
+    toks = _prompt(41, 4)
+    _stored_prefix(tmp_path, toks)
+    rig = Rig(tmp_path, host_pages=12, host_slots=8, hicache_storage_prefetch_policy="wait_complete")
+    others = [_prompt(17, 200 + i) for i in range(3)]
+    for i, o in enumerate(others):
+        rig.serve(f"o{i}", o, prefetch=False)  # 4 pages each: the host is full
+    rig.drain()
+    assert rig.ctrl.host_kv.num_free == 0
+    # In one step: one prefetch for the stored 10-page prefix, which needs the whole host, then
+    # three anchored on those prefixes (storage holds nothing more: misses).
+    rig.ctrl.apply(Prefetch(rid="hit", tokens=toks + [3]))
+    for i, o in enumerate(others):
+        rig.ctrl.apply(Prefetch(rid=f"m{i}", tokens=o + _prompt(12, 300 + i)))
+    deadline = time.monotonic() + 5
+    while not all(pf.lookup.done() for pf in rig.tier.prefetches.values()):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    rig.ctrl.poll_storage()  # every lookup ends in this one poll
+    assert rig.tier.prefetches["hit"].phase == "fetch", dict(rig.tier.counters.outcomes)
+    for rid in ["m0", "m1", "m2", "hit"]:
+        rig.ctrl.apply(CancelPrefetch(rid=rid))
+    rig.drain()
+    rig.close()

@@ -18,7 +18,10 @@ def test_every_field_is_documented_once():
         assert info.doc and info.doc[0].isupper(), info.flag
         assert info.doc.endswith("."), info.flag
     hidden = {info.field for info in fields() if info.hidden}
-    assert hidden == {"debug_fail_lazy_alloc", "debug_storage_fail_rate", "debug_storage_slow_s"}
+    assert hidden == {
+        "debug_fail_lazy_alloc", "debug_storage_fail_rate", "debug_storage_slow_s", "debug_transfer_direction",
+        "debug_transfer_fail_at", "debug_batch_fail_at_transfer", "debug_worker_exit_at_transfer",
+    }  # fmt: skip
 
 
 def test_file_errors_name_the_flag_and_the_field(tmp_path):

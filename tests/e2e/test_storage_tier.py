@@ -22,11 +22,12 @@ GEN = 8
 
 
 def _files(store: Path) -> int:
-    return sum(1 for p in store.rglob("*") if p.is_file())
+    """Bytes in the store's segment files."""
+    return sum(p.stat().st_size for p in store.rglob("*.seg"))
 
 
 def _settle(store: Path, timeout_s: float = 10.0) -> None:
-    """Wait until background backups stop adding files."""
+    """Wait until background backups stop adding bytes."""
     deadline = time.monotonic() + timeout_s
     last = -1
     while time.monotonic() < deadline:
@@ -90,7 +91,7 @@ def test_flaky_slow_corrupt_read_only_storage_keeps_serving(server_factory, mode
     store, history = stored_conversation
     copy = tmp_path / "store"
     shutil.copytree(store, copy)
-    victim = min(p for p in copy.rglob("*") if p.is_file())
+    victim = min(copy.rglob("*.seg"))
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
@@ -142,3 +143,44 @@ def test_a_request_waiting_for_its_prefetch_makes_no_cache_round_trips(
     # Prefetch + admission attempt, the admission after PrefetchDone, pages for at most GEN decode
     # steps, the release: a handful, however long the prefetch took.
     assert s.cache_stats().cache_steps - before <= GEN + 4
+
+
+def test_two_servers_share_the_default_directory_under_one_cap(server_factory, model_dir, ref, tmp_path, monkeypatch):
+    """Both back up into the default directory, each reads the other's prefix after a restart,
+    and the directory stays under the one cap while they fill it past it."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    store = tmp_path / "xdg" / "himamba" / "storage"
+    cap = 600_000
+    flags = (*STORAGE_FLAGS, "--hicache-storage-dir", "", "--hicache-storage-max-bytes", str(cap))
+    servers = [server_factory(model_dir, *flags) for _ in range(2)]
+    histories = []
+    for i, s in enumerate(servers):
+        h = random_tokens(100, 40 + i)
+        with Client(s.endpoint) as c:
+            out = c.generate(input_ids=h, max_tokens=GEN, ignore_eos=True)
+        assert out.token_ids == greedy(ref, h, GEN)
+        histories.append(h + out.token_ids)
+    _settle(store)
+    for s in servers:
+        s.stop()
+    assert 0 < _files(store) <= cap
+    servers = [server_factory(model_dir, *flags) for _ in range(2)]
+    for i, s in enumerate(servers):
+        nxt = histories[1 - i] + random_tokens(20, 50 + i)  # the other server's conversation
+        with Client(s.endpoint) as c:
+            out = c.generate(input_ids=nxt, max_tokens=GEN, ignore_eos=True)
+        assert out.token_ids == greedy(ref, nxt, GEN)
+        assert out.usage is not None and out.usage.cached_tokens.storage >= 96, out.usage
+    # Fill well past the cap from both servers: the directory stays under it, the oldest segments go.
+    before = set(store.rglob("*.seg"))
+    with Client(servers[0].endpoint) as c0, Client(servers[1].endpoint) as c1:
+        for j in range(12):
+            p = random_tokens(200, 60 + j)
+            out = (c0 if j % 2 else c1).generate(input_ids=p, max_tokens=2, ignore_eos=True)
+            assert out.token_ids == greedy(ref, p, 2)
+    _settle(store)
+    assert _files(store) <= cap
+    assert not before <= set(store.rglob("*.seg")), "nothing was evicted: the fill never reached the cap"
+    for s in servers:
+        st = s.cache_stats(check_invariants=True)
+        assert st.invariants_ok, st.invariants_error

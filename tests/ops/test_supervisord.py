@@ -176,6 +176,13 @@ def test_services_wait_for_a_late_worker_then_serve_and_survive_its_kill(supervi
     assert again["usage"]["completion_tokens"] == 3
     assert supervised.log("worker").count("ready") >= 2
     assert new != old
+    # The same answer as before the kill, and nothing the dead worker's copies pinned is still held.
+    assert supervised.complete("def first(x):")["choices"][0]["text"] == first["choices"][0]["text"]
+    deadline = time.monotonic() + 30  # storage backups pin host pages until they are written
+    while (stats := supervised.cache_stats()).host_pages_protected or stats.host_states_protected:
+        assert time.monotonic() < deadline, f"host pins leaked: {stats}"
+        time.sleep(0.5)
+    assert stats.invariants_ok, stats.invariants_error
 
 
 # What a request running through the kill gets: the cache controller's restart is invisible

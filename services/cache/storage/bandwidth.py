@@ -13,17 +13,72 @@ import numpy as np
 
 from himamba.services.cache.storage.base import StorageBackend
 
-__all__ = ["machine_bandwidth", "measure_storage_bandwidth"]
+__all__ = ["disk_probe", "drop_page_cache", "machine_bandwidth", "measure_storage_bandwidth"]
 
 _MB = 1e6
 _BATCH = 8
 _CREATES = 64
 
 
-def measure_storage_bandwidth(backend: StorageBackend, page_bytes: int, n_pages: int) -> dict[str, float]:
+def drop_page_cache(directory: Path) -> None:
+    """Write back and drop from the OS page cache every file under `directory`, so the next read
+    comes from the disk (a cold read). Not timed by the callers."""
+    for root, _dirs, files in os.walk(directory):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)  # dirty pages are not dropped: write them back first
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+
+def disk_probe(directory: Path, page_bytes: int, n_pages: int, fsync: bool) -> dict[str, float]:
+    """What the disk itself does with the backend's work: `n_pages` writes of `page_bytes` to one
+    file in `directory`, in batches of 8 (fsync after each batch when the backend fsyncs), then
+    the file read back cold in page-sized reads. Keys: probe_write_mb_s, probe_read_mb_s."""
+    # Distinct source and destination pages, as the backend's (one reused buffer would stay in
+    # the CPU cache and flatter the probe).
+    src = np.random.default_rng(1).integers(0, 256, size=(n_pages, page_bytes), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    with tempfile.TemporaryDirectory(dir=directory, prefix="himamba-probe-") as tmp:
+        path = os.path.join(tmp, "probe")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            t0 = time.perf_counter()
+            for i in range(n_pages):
+                os.write(fd, memoryview(src[i]))
+                if fsync and (i % _BATCH == _BATCH - 1 or i == n_pages - 1):
+                    os.fdatasync(fd)
+            t_write = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+        drop_page_cache(Path(tmp))
+        with open(path, "rb", buffering=0) as f:
+            t0 = time.perf_counter()
+            got = 0
+            for i in range(n_pages):
+                got += f.readinto(memoryview(dst[i]))
+            t_read = time.perf_counter() - t0
+    return {
+        "probe_write_mb_s": n_pages * page_bytes / _MB / max(t_write, 1e-9),
+        "probe_read_mb_s": got / _MB / max(t_read, 1e-9),
+    }
+
+
+def measure_storage_bandwidth(
+    backend: StorageBackend, page_bytes: int, n_pages: int, cold: Path | None = None
+) -> dict[str, float]:
     """Write `n_pages` pages of `page_bytes` under fresh random keys, then read them back, in
-    batches of 8 (as the I/O workers do). Use a scratch store: the pages stay there. Reads follow
-    the writes at once, so a file backend reads from the OS page cache. Keys: write_mb_s,
+    batches of 8 (as the I/O workers do). Use a scratch store: the pages stay there. With `cold`
+    (a file backend's directory) the reads come from the disk: the directory is dropped from the
+    OS page cache first (untimed); else a file backend reads from the page cache. Keys: write_mb_s,
     read_mb_s (payload bytes), pages_written, pages_read, page_bytes, num_pages."""
     if page_bytes <= 0 or n_pages <= 0:
         raise ValueError(f"page_bytes, n_pages: must be > 0, got {page_bytes}, {n_pages}")
@@ -37,6 +92,8 @@ def measure_storage_bandwidth(backend: StorageBackend, page_bytes: int, n_pages:
         oks = backend.set_pages(keys[i : i + _BATCH], [memoryview(src[j]) for j in range(i, min(i + _BATCH, n_pages))])
         written += sum(oks)
     t_write = time.perf_counter() - t0
+    if cold is not None:
+        drop_page_cache(cold)
     read = 0
     t0 = time.perf_counter()
     for i in range(0, n_pages, _BATCH):
@@ -79,7 +136,7 @@ def machine_bandwidth(directory: Path | None = None, nbytes: int = 64 << 20) -> 
             while (n := f.readinto(buf)) > 0:
                 got += n
             t_read = time.perf_counter() - t0
-        # The file backend creates one file per page: on some disks that, not bandwidth, is the limit.
+        # Small-file creation: what a one-file-per-value store would be bound by.
         t0 = time.perf_counter()
         for i in range(_CREATES):
             fd = os.open(os.path.join(tmp, f"c{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -59,6 +59,11 @@ __all__ = [
 # collections.abc.Buffer.
 Buffer: TypeAlias = "bytes | bytearray | memoryview"
 
+try:  # ISA-L's CRC-32: the same checksum as zlib's, at memory speed (zlib's would cap the file tier)
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - isal is a dependency; the values are identical without it
+    _crc32 = zlib.crc32
+
 FORMAT_VERSION = 1
 _MAGIC = b"HMBS"
 # magic, version, kind, flags, token_count, payload_bytes, fingerprint, key, reserved, crc32
@@ -93,7 +98,7 @@ class ValueCodec:
             raise ValueError(f"key: must be {KEY_BYTES} bytes, got {len(key)}")
         nbytes = memoryview(payload).nbytes
         head = _HEADER.pack(_MAGIC, FORMAT_VERSION, kind, 0, token_count, nbytes, self.fingerprint, key, 0)
-        crc = zlib.crc32(payload, zlib.crc32(memoryview(head)[:_CRC_OFFSET]))
+        crc = _crc32(payload, _crc32(memoryview(head)[:_CRC_OFFSET]))
         return head[:_CRC_OFFSET] + struct.pack("<I", crc)
 
     def problem(self, header: Buffer, kind: ValueKind, key: bytes, payload_bytes: int) -> str | None:
@@ -117,12 +122,23 @@ class ValueCodec:
             return f"payload of {nbytes} bytes, expected {payload_bytes}"
         return None
 
+    def describe(self, header: Buffer) -> tuple[ValueKind, bytes, int] | None:
+        """(kind, key, payload bytes) of a header of this model's format, or None when it is not one
+        (how a segment scan finds where a torn tail begins; the checksum is checked on read)."""
+        head = memoryview(header)
+        if head.nbytes != HEADER_BYTES:
+            return None
+        magic, version, k, _flags, _tokens, nbytes, fp, key, _crc = _HEADER.unpack(head)
+        if magic != _MAGIC or version != FORMAT_VERSION or fp != self.fingerprint or k not in (1, 2):
+            return None
+        return ValueKind(k), bytes(key), nbytes
+
     @staticmethod
     def checksum_ok(header: Buffer, payload: Buffer) -> bool:
         """Whether the CRC-32 in `header` matches header and payload."""
         head = memoryview(header)
         (stored,) = struct.unpack_from("<I", head, _CRC_OFFSET)
-        return zlib.crc32(payload, zlib.crc32(head[:_CRC_OFFSET])) == stored
+        return _crc32(payload, _crc32(head[:_CRC_OFFSET])) == stored
 
     def decode_into(self, blob: Buffer, kind: ValueKind, key: bytes, dest: Buffer) -> str | None:
         """Verify a whole stored value (`header || payload`, as a remote store returns it) and copy
@@ -157,6 +173,7 @@ class StorageStats(msgspec.Struct, frozen=True, kw_only=True):
     num_errors: int = 0  # calls the store could not serve (unreachable, or failing fast while it is away)
     num_reconnects: int = 0  # times the store came back after being unreachable
     used_bytes: int = 0  # bytes this backend believes it holds; 0 when it cannot know
+    used_state_bytes: int = 0  # the part of used_bytes holding recurrent states, where known
     capacity_bytes: int = 0  # 0: no cap
     reachable: bool = True  # False while a remote store is considered away (calls fail fast)
 
@@ -166,7 +183,8 @@ class StorageCounters:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._values = dict.fromkeys(StorageStats.__struct_fields__, 0)
+        self._values: dict[str, int | bool] = dict.fromkeys(StorageStats.__struct_fields__, 0)
+        self._values["reachable"] = True  # a backend serves until it says otherwise
 
     def add(self, **deltas: int) -> None:
         with self._lock:
@@ -244,6 +262,9 @@ class StorageHit(NamedTuple):
 
     num_kv_pages: int  # leading pages whose KV is stored
     num_pages: int  # usable hit: <= num_kv_pages, and (when a state is needed) ends at a state
+    # With a state needed: every usable hit length (page counts <= num_pages ending at a stored
+    # state), ascending, so a truncated or partial fetch can end at one without asking again.
+    state_pages: tuple[int, ...] = ()
 
 
 def find_hit(backend: StorageBackend, keys: Sequence[bytes], *, needs_state: bool) -> StorageHit:
@@ -253,7 +274,5 @@ def find_hit(backend: StorageBackend, keys: Sequence[bytes], *, needs_state: boo
     if not needs_state or num_kv == 0:
         return StorageHit(num_kv, num_kv)
     has_state = backend.exists_states(keys[:num_kv])
-    for i in range(num_kv - 1, -1, -1):
-        if has_state[i]:
-            return StorageHit(num_kv, i + 1)
-    return StorageHit(num_kv, 0)
+    ends = tuple(i + 1 for i, ok in enumerate(has_state) if ok)
+    return StorageHit(num_kv, ends[-1] if ends else 0, ends)

@@ -6,16 +6,25 @@ redis-py nor the Mooncake wheel.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from himamba.services.cache.storage.base import StorageBackend
-from himamba.services.cache.storage.file import FileBackend
+from himamba.services.cache.storage.file import (
+    DEFAULT_CAP_FRACTION,
+    FileBackend,
+    default_cap,
+    default_storage_dir,
+    filesystem_free_bytes,
+)
 
 if TYPE_CHECKING:
     from himamba.common.config import CacheConfig
 
 __all__ = ["STORAGE_BACKENDS", "open_backend", "open_configured_backend"]
+
+_log = logging.getLogger("himamba.cache.storage")
 
 STORAGE_BACKENDS: tuple[str, ...] = ("none", "file", "mooncake", "redis")
 
@@ -32,7 +41,8 @@ def open_backend(
 ) -> StorageBackend | None:
     """Open the backend called `name` for one model; None for "none" (no storage tier).
 
-    file: `directory` (default under the user's cache dir) and `max_bytes` (0: no cap).
+    file: `directory` (default under the user's cache dir) and `max_bytes` (0: the default cap,
+    `DEFAULT_CAP_FRACTION` of the filesystem's free space at start, logged).
     redis: `url` redis://host:port/db (default redis://127.0.0.1:6379/0).
     mooncake: `url` is the master's host:port (default 127.0.0.1:50051), with
     `mooncake_metadata_server` (default: the master's embedded one, http://<host>:8080/metadata)
@@ -41,6 +51,15 @@ def open_backend(
     if name == "none":
         return None
     if name == "file":
+        if not max_bytes:
+            root = directory if directory is not None else default_storage_dir()
+            free = filesystem_free_bytes(root)
+            max_bytes = default_cap(free)
+            _log.info(
+                "storage: file tier capped at %.1f GB (%d%% of the %.1f GB free on %s at start); "
+                "set --hicache-storage-max-bytes to choose", max_bytes / 1e9, round(DEFAULT_CAP_FRACTION * 100),
+                free / 1e9, root,
+            )
         return FileBackend(fingerprint, directory, max_bytes=max_bytes)
     if name == "redis":
         try:

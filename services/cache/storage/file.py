@@ -1,24 +1,37 @@
-"""The `file` storage backend (the default, embedded): one file per value under a directory.
+"""The `file` storage backend (the default, embedded): values packed into append-only segment files.
 
-Layout: `<root>/<fingerprint hex>/<first 2 hex digits of the key>/<key hex>.kv|.state`. The
-fingerprint directory keeps models apart; the fan-out keeps directories small. Each file is
-`header || payload` (see base.py), written to a temp file and renamed over the final name, so a
-reader sees a whole old file, a whole new file, or nothing; a torn or flipped file fails its
-checksum, counts as corrupt, and is deleted. Files survive restarts: a new instance on the same
-directory serves what an earlier one wrote.
+Layout: `<root>/<fingerprint hex>/<instance>-<n>.seg`. The fingerprint directory keeps models apart.
+Each backend instance (a server: pid + random tag) appends only to segments of its own, so several
+servers share one directory without locks, and every instance reads every segment. A segment is a
+run of records `header || payload` (base.py: the header names the kind, key and payload length and
+carries a CRC-32 over header and payload); a batch of pages is one `pwritev` (and one `fdatasync`
+with `fsync`), so a write costs a few syscalls per batch instead of a file creation per page.
+Segments roll over at `segment_bytes`.
 
-Recency is the file's mtime, refreshed by `exists`, `get_*` and a skipped `set_*`. With a size cap,
-a write that would exceed it first evicts least-recently-used files down to `low_watermark` of the
-cap (one thread evicts; writers that arrive meanwhile are refused, as a full remote store would).
-The byte count is this process's estimate, re-synced by each eviction scan; other processes
-sharing the directory are seen at the next scan.
+Index: (kind, key) -> (segment, offset), in memory. Opening scans every segment's headers (not the
+payloads); a scan stops at the first record that does not parse or runs past the end of the file
+(the torn tail of a writer that died mid-append), which is thereby ignored. A record whose checksum
+fails on read is a counted miss and leaves the index. Segments other servers append to are picked up
+by a re-scan (at most every `rescan_s`) when a key misses. Files survive restarts: a new instance
+on the same directory serves what earlier ones wrote.
+
+Cap: `max_bytes` bounds the whole directory (every instance's segments). The instances sharing the
+directory keep its byte count in one small file (`usage`, updated under `flock`), so each write is
+checked against everyone's. A write that would exceed the cap re-counts the directory (correcting any
+drift, e.g. from a server that died) and deletes whole segments, least recently used first, down to
+`low_watermark` of the cap. Recency is a segment's mtime: appends refresh it, reads and `exists`
+refresh it at most every `touch_interval_s`. A writer whose active segment another server deleted
+notices (its link count is 0) and starts a new one. With no cap given, `open_backend` sets the
+default: `DEFAULT_CAP_FRACTION` of the filesystem's free space at start.
 """
 
 from __future__ import annotations
 
-import io
+import fcntl
 import logging
 import os
+import secrets
+import shutil
 import threading
 import time
 from collections.abc import Sequence
@@ -33,11 +46,12 @@ from himamba.services.cache.storage.base import (
     check_batch,
 )
 
-__all__ = ["FileBackend", "default_storage_dir"]
+__all__ = ["DEFAULT_CAP_FRACTION", "FileBackend", "default_cap", "default_storage_dir", "filesystem_free_bytes"]
 
 _log = logging.getLogger("himamba.cache.storage")
-_SUFFIX = {ValueKind.KV: ".kv", ValueKind.STATE: ".state"}
-_STALE_TMP_S = 600.0  # a temp file this old belongs to a writer that died
+_SEG = ".seg"
+DEFAULT_CAP_FRACTION = 0.10  # of the filesystem's free space at start, when no cap is given
+_MAX_SEGMENT_BYTES = 64 << 20
 
 
 def default_storage_dir() -> Path:
@@ -46,12 +60,41 @@ def default_storage_dir() -> Path:
     return Path(base) / "himamba" / "storage"
 
 
-class FileBackend(StorageBackend):
-    """Values as files under `root/<fingerprint hex>/`; see the module docstring.
+def default_cap(free_bytes: int) -> int:
+    """The file tier's cap when none is given: a fixed fraction of the free space at start."""
+    return max(int(free_bytes * DEFAULT_CAP_FRACTION), 1)
 
-    `max_bytes` caps the directory (0: no cap); `fsync` makes each write durable before it is
-    acknowledged (off by default: a value lost in a crash is only a cache miss, and a torn one is
-    caught by its checksum). With a cap, opening scans the directory once to count its bytes."""
+
+def filesystem_free_bytes(directory: Path) -> int:
+    """Free bytes (for unprivileged users) on the filesystem that holds, or will hold, `directory`."""
+    d = Path(directory)
+    while not d.exists() and d.parent != d:
+        d = d.parent
+    return shutil.disk_usage(d).free
+
+
+class _Segment:
+    """One segment file as this instance knows it."""
+
+    __slots__ = ("name", "path", "size", "scanned", "mtime", "touched", "keys", "own")
+
+    def __init__(self, name: str, path: str, own: bool) -> None:
+        self.name = name
+        self.path = path
+        self.size = 0  # bytes on disk (as last seen)
+        self.scanned = 0  # records before this offset are indexed
+        self.mtime = 0.0
+        self.touched = 0.0  # monotonic time of our last recency refresh
+        self.keys: list[tuple[ValueKind, bytes]] = []
+        self.own = own
+
+
+class FileBackend(StorageBackend):
+    """Values in append-only segment files under `root/<fingerprint hex>/`; see the module docstring.
+
+    `max_bytes` caps the directory (0: no cap here; `open_backend` applies the default); `fsync`
+    makes each batch durable before it is acknowledged (off by default: a value lost in a crash is
+    only a cache miss, and a torn one is caught by its checksum)."""
 
     name = "file"
 
@@ -63,48 +106,54 @@ class FileBackend(StorageBackend):
         max_bytes: int = 0,
         fsync: bool = False,
         low_watermark: float = 0.9,
+        segment_bytes: int = 0,
+        rescan_s: float = 0.5,
+        touch_interval_s: float = 1.0,
     ) -> None:
         super().__init__(fingerprint)
         if max_bytes < 0:
             raise ValueError(f"max_bytes: must be >= 0, got {max_bytes}")
         if not 0.0 < low_watermark <= 1.0:
             raise ValueError(f"low_watermark: must be in (0, 1], got {low_watermark}")
+        if segment_bytes < 0:
+            raise ValueError(f"segment_bytes: must be >= 0, got {segment_bytes}")
         self.dir = Path(root if root is not None else default_storage_dir()) / fingerprint.hex()
         self.max_bytes = max_bytes
         self.fsync = fsync
         self.low_watermark = low_watermark
-        self._lock = threading.Lock()  # guards _used, _logged, _closed
-        self._evict_lock = threading.Lock()
+        # Whole segments are evicted: keep them a small part of the cap.
+        self.segment_bytes = segment_bytes or (
+            min(_MAX_SEGMENT_BYTES, max(max_bytes // 16, 1)) if max_bytes else _MAX_SEGMENT_BYTES
+        )
+        self.rescan_s = rescan_s
+        self.touch_interval_s = touch_interval_s
+        self._tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._lock = threading.RLock()  # index, segments, byte counts, logged, closed
+        self._write_lock = threading.Lock()  # one append at a time (the disk is serial anyway)
+        self._index: dict[tuple[ValueKind, bytes], tuple[_Segment, int, int]] = {}
+        self._segments: dict[str, _Segment] = {}
+        self._active: _Segment | None = None
+        self._active_fd: int | None = None
+        self._seq = 0
         self._used = 0
+        self._state_bytes = 0
+        self._last_scan = 0.0
         self._logged: set[str] = set()
         self._closed = False
-        self._made_dirs: set[str] = set()  # fan-out dirs known to exist (a hint; set.add is atomic)
+        self._usage_fd: int | None = None  # the directory's shared byte count (None: count alone)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             self._log_once("mkdir", f"storage dir {self.dir} unusable, every write will be refused: {e}")
+        self._rescan(force=True)
         if max_bytes:
-            self._scan_and_evict(max_bytes)
-
-    # ---- paths ---------------------------------------------------------------------------------
-
-    def _path(self, key: bytes, kind: ValueKind) -> str:
-        h = key.hex()
-        return os.path.join(self.dir, h[:2], h + _SUFFIX[kind])
-
-    def _create(self, path: str, tmp: str) -> int:
-        """Open `tmp` for writing, creating the fan-out directory on first use (again if someone
-        removed it)."""
-        parent = os.path.dirname(path)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        if parent in self._made_dirs:
             try:
-                return os.open(tmp, flags, 0o644)
-            except FileNotFoundError:
-                self._made_dirs.discard(parent)
-        os.makedirs(parent, exist_ok=True)
-        self._made_dirs.add(parent)
-        return os.open(tmp, flags, 0o644)
+                self._usage_fd = os.open(os.path.join(self.dir, "usage"), os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError:
+                pass  # a read-only store writes nothing anyway
+            else:
+                with self._lock, self._shared():
+                    self._set_shared(self._used)  # a fresh count corrects what a dead server left
 
     # ---- the contract --------------------------------------------------------------------------
 
@@ -112,214 +161,446 @@ class FileBackend(StorageBackend):
         self._check_open()
         n = 0
         for key in keys:
-            if not self._touch(self._path(key, ValueKind.KV)):
+            ent = self._find(ValueKind.KV, key)
+            if ent is None:
                 break
+            self._touch(ent[0])
             n += 1
         return n
 
     def exists_states(self, keys: Sequence[bytes]) -> list[bool]:
         self._check_open()
-        return [self._touch(self._path(k, ValueKind.STATE)) for k in keys]
+        out = []
+        for k in keys:
+            ent = self._find(ValueKind.STATE, k)
+            if ent is not None:
+                self._touch(ent[0])
+            out.append(ent is not None)
+        return out
 
     def get_pages(self, keys: Sequence[bytes], dest: Sequence[Buffer]) -> int:
         self._check_open()
         check_batch(keys, dest, "dest")
-        n = 0
-        for key, buf in zip(keys, dest):
-            if not self._read(key, ValueKind.KV, buf):
+        fds: dict[str, int] = {}  # per call: measured faster cold than descriptors kept open
+        try:
+            n = 0
+            while n < len(keys):
+                # Values written together lie back to back: read such a run in one call, straight
+                # into the callers' buffers, then verify each; a run of one is the general case.
+                run = self._run_at(keys, dest, n)
+                if len(run) > 1 and self._read_run(run, keys, dest, n, fds):
+                    n += len(run)
+                    continue
+                if not self._read(ValueKind.KV, keys[n], dest[n], fds):
+                    break
+                n += 1
+            return n
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _run_at(self, keys: Sequence[bytes], dest: Sequence[Buffer], start: int) -> list[tuple[_Segment, int, int]]:
+        run: list[tuple[_Segment, int, int]] = []
+        for i in range(start, len(keys)):
+            ent = self._index.get((ValueKind.KV, keys[i]))
+            if ent is None or ent[2] != memoryview(dest[i]).nbytes:
                 break
-            n += 1
-        return n
+            if run and (ent[0] is not run[0][0] or ent[1] != run[-1][1] + HEADER_BYTES + run[-1][2]):
+                break
+            run.append(ent)
+        return run
+
+    def _read_run(
+        self, run: list[tuple[_Segment, int, int]], keys: Sequence[bytes], dest: Sequence[Buffer], start: int,
+        fds: dict[str, int],
+    ) -> bool:
+        """Read and verify a run of back-to-back values; False (nothing counted) if any is not
+        whole and valid: the caller then reads them one by one, which tells misses and corruption."""
+        seg = run[0][0]
+        fd = fds.get(seg.name)
+        if fd is None:
+            try:
+                fd = fds[seg.name] = os.open(seg.path, os.O_RDONLY)
+            except OSError:
+                return False
+        heads = [bytearray(HEADER_BYTES) for _ in run]
+        outs = [memoryview(dest[start + i]).cast("B") for i in range(len(run))]
+        iov: list[Buffer] = []
+        for h, o in zip(heads, outs):
+            iov += [h, o]
+        total = sum(HEADER_BYTES + e[2] for e in run)
+        try:
+            if os.preadv(fd, iov, run[0][1]) != total:
+                return False
+        except OSError:
+            return False
+        codec = self.codec
+        for i, (h, o) in enumerate(zip(heads, outs)):
+            if codec.problem(h, ValueKind.KV, keys[start + i], o.nbytes) is not None or not codec.checksum_ok(h, o):
+                return False
+        self._touch(seg)
+        self.counters.add(num_read_pages=len(run), num_read_bytes=total)
+        return True
 
     def set_pages(self, keys: Sequence[bytes], blobs: Sequence[Buffer], token_count: int = 0) -> list[bool]:
         self._check_open()
         check_batch(keys, blobs, "blobs")
-        return [self._write(k, ValueKind.KV, b, token_count) for k, b in zip(keys, blobs)]
+        return self._write(ValueKind.KV, keys, blobs, token_count)
 
     def get_state(self, key: bytes, dest: Buffer) -> bool:
         self._check_open()
         check_batch([key], [dest], "dest")
-        return self._read(key, ValueKind.STATE, dest)
+        fds: dict[str, int] = {}
+        try:
+            return self._read(ValueKind.STATE, key, dest, fds)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
     def set_state(self, key: bytes, blob: Buffer) -> bool:
         self._check_open()
         check_batch([key], [blob], "blob")
-        return self._write(key, ValueKind.STATE, blob, 0)
+        return self._write(ValueKind.STATE, [key], [blob], 0)[0]
 
     def close(self) -> None:
-        with self._lock:
+        with self._write_lock, self._lock:
             self._closed = True
+            self._close_active()
+            if self._usage_fd is not None:
+                os.close(self._usage_fd)
+                self._usage_fd = None
 
     def stats(self) -> StorageStats:
         with self._lock:
-            used = self._used
-        return self.counters.snapshot(used_bytes=used, capacity_bytes=self.max_bytes)
+            used, state = self._used, self._state_bytes
+        return self.counters.snapshot(used_bytes=used, used_state_bytes=state, capacity_bytes=self.max_bytes)
 
-    # ---- reads ---------------------------------------------------------------------------------
+    # ---- the index -----------------------------------------------------------------------------
 
-    def _read(self, key: bytes, kind: ValueKind, dest: Buffer) -> bool:
-        out = memoryview(dest).cast("B")
-        path = self._path(key, kind)
-        try:
-            f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed below; opening apart tells a miss from a read
-        except FileNotFoundError:
-            self.counters.add(num_misses=1)
-            return False
-        except OSError as e:
-            self._log_once(f"read:{e.errno}", f"cannot open stored values ({e}); treating as misses")
-            self.counters.add(num_misses=1)
-            return False
-        with f:
-            head = bytearray(HEADER_BYTES)
-            why = None
-            if _read_full(f, memoryview(head)) != HEADER_BYTES:
-                why = "truncated header"
-            else:
-                why = self.codec.problem(head, kind, key, out.nbytes)
-            if why is None:
-                # Straight into the caller's buffer (a host-pool page): no intermediate copy.
-                if _read_full(f, out) != out.nbytes:
-                    why = "truncated payload"
-                elif f.read(1):
-                    why = "trailing bytes"
-                elif not self.codec.checksum_ok(head, out):
-                    why = "checksum mismatch"
-        if why is not None:
-            self._discard(path, why)
-            return False
-        self._touch(path)
-        nbytes = HEADER_BYTES + out.nbytes
-        if kind is ValueKind.KV:
-            self.counters.add(num_read_pages=1, num_read_bytes=nbytes)
-        else:
-            self.counters.add(num_read_states=1, num_read_bytes=nbytes)
-        return True
+    def _find(self, kind: ValueKind, key: bytes) -> tuple[_Segment, int, int] | None:
+        ent = self._index.get((kind, key))
+        if ent is None and self._rescan():
+            ent = self._index.get((kind, key))  # another server may have written it meanwhile
+        return ent
 
-    def _discard(self, path: str, why: str) -> None:
-        self.counters.add(num_corrupt=1)
-        _log.warning("storage: %s is corrupt (%s); deleted, treated as a miss", path, why)
-        try:
-            size = os.stat(path).st_size
-            os.unlink(path)
-        except OSError:
-            return  # already gone, or a read-only store: it stays a miss either way
-        self._unreserve(size)
+    def _add(self, seg: _Segment, kind: ValueKind, key: bytes, offset: int, nbytes: int) -> None:
+        if (kind, key) in self._index:
+            return  # the first copy serves; this one is dead weight until its segment goes
+        self._index[(kind, key)] = (seg, offset, nbytes)
+        seg.keys.append((kind, key))
+        if kind is ValueKind.STATE:
+            self._state_bytes += HEADER_BYTES + nbytes
 
-    # ---- writes --------------------------------------------------------------------------------
+    def _forget(self, seg: _Segment) -> None:
+        """Drop a segment that is gone (evicted here or by another server)."""
+        self._segments.pop(seg.name, None)
+        for k in seg.keys:
+            ent = self._index.get(k)
+            if ent is not None and ent[0] is seg:
+                del self._index[k]
+                if k[0] is ValueKind.STATE:
+                    self._state_bytes -= HEADER_BYTES + ent[2]
+        seg.keys = []
 
-    def _write(self, key: bytes, kind: ValueKind, blob: Buffer, token_count: int) -> bool:
-        path = self._path(key, kind)
-        if self._touch(path):
-            self.counters.add(num_skipped_writes=1)
-            return True
-        payload = memoryview(blob).cast("B")
-        nbytes = HEADER_BYTES + payload.nbytes
-        if not self._reserve(nbytes):
-            self.counters.add(num_refused_writes=1)
-            return False
-        header = self.codec.header(kind, key, payload, token_count)
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        try:
-            fd = self._create(path, tmp)
-            try:
-                _write_full(fd, memoryview(header))
-                _write_full(fd, payload)
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            self._unreserve(nbytes)
-            self.counters.add(num_refused_writes=1)
-            self._log_once(f"write:{e.errno}", f"storage writes to {self.dir} fail ({e}); refusing them")
-            return False
-        if kind is ValueKind.KV:
-            self.counters.add(num_written_pages=1, num_written_bytes=nbytes)
-        else:
-            self.counters.add(num_written_states=1, num_written_bytes=nbytes)
-        return True
-
-    # ---- recency and the size cap --------------------------------------------------------------
-
-    def _touch(self, path: str) -> bool:
-        """Refresh the file's recency; whether it exists."""
-        try:
-            os.utime(path)
-            return True
-        except FileNotFoundError:
-            return False
-        except OSError:
-            return os.path.exists(path)  # read-only store: it still serves reads
-
-    def _reserve(self, nbytes: int) -> bool:
-        if not self.max_bytes:
-            return True
-        if nbytes > self.max_bytes:
-            return False
+    def _rescan(self, force: bool = False) -> bool:
+        """Re-list the directory: index what other servers appended, forget what vanished, and
+        re-count the directory's bytes. Throttled to once per `rescan_s` unless forced; whether it
+        ran."""
+        now = time.monotonic()
         with self._lock:
-            if self._used + nbytes <= self.max_bytes:
-                self._used += nbytes
-                return True
-        if not self._evict_lock.acquire(blocking=False):
-            return False  # another writer is evicting: refuse rather than wait
-        try:
-            self._scan_and_evict(int(self.max_bytes * self.low_watermark) - nbytes)
-        finally:
-            self._evict_lock.release()
-        with self._lock:
-            if self._used + nbytes <= self.max_bytes:
-                self._used += nbytes
-                return True
-        return False
-
-    def _unreserve(self, nbytes: int) -> None:
-        if self.max_bytes:
-            with self._lock:
-                self._used = max(0, self._used - nbytes)
-
-    def _scan_and_evict(self, target_bytes: int) -> None:
-        """Re-count the directory, drop dead writers' temp files, and delete the least recently
-        used values until at most `target_bytes` remain."""
-        now = time.time()
-        files: list[tuple[float, int, str]] = []
-        try:
-            subdirs = list(os.scandir(self.dir))
-        except OSError:
-            return
-        for sub in subdirs:
-            if not sub.is_dir(follow_symlinks=False):
-                continue
+            if not force and now - self._last_scan < self.rescan_s:
+                return False
+            self._last_scan = now
             try:
-                entries = list(os.scandir(sub.path))
+                entries = [e for e in os.scandir(self.dir) if e.name.endswith(_SEG)]
             except OSError:
-                continue
+                entries = []
+            seen: set[str] = set()
+            used = 0
             for e in entries:
                 try:
                     st = e.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                if e.name.endswith(".tmp"):
-                    if now - st.st_mtime > _STALE_TMP_S:
-                        _unlink_quietly(e.path)
-                    continue
-                files.append((st.st_mtime, st.st_size, e.path))
-        total = sum(size for _, size, _ in files)
-        evicted = 0
-        if total > target_bytes:
-            files.sort()
-            for _, size, path in files:
-                if total <= target_bytes:
+                seen.add(e.name)
+                used += st.st_size
+                seg = self._segments.get(e.name)
+                if seg is None:
+                    seg = self._segments[e.name] = _Segment(e.name, e.path, own=False)
+                seg.mtime = st.st_mtime
+                if not seg.own:
+                    seg.size = st.st_size
+                    if seg.scanned < seg.size:
+                        self._scan(seg)
+            for name in [n for n in self._segments if n not in seen]:
+                seg = self._segments[name]
+                if seg is self._active:
+                    continue  # just created, or deleted under us: the writer notices
+                self._forget(seg)
+            self._used = used
+            return True
+
+    def _scan(self, seg: _Segment) -> None:
+        """Index the records of `seg` from `seg.scanned` on, up to the first one that does not
+        parse or is not wholly on disk yet (a torn tail, or an append in progress)."""
+        try:
+            fd = os.open(seg.path, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            off = seg.scanned
+            head = bytearray(HEADER_BYTES)
+            while off + HEADER_BYTES <= seg.size:
+                if os.preadv(fd, [head], off) != HEADER_BYTES:
                     break
-                if _unlink_quietly(path):
-                    total -= size
-                    evicted += 1
+                d = self.codec.describe(head)
+                if d is None or off + HEADER_BYTES + d[2] > seg.size:
+                    break
+                self._add(seg, d[0], d[1], off, d[2])
+                off += HEADER_BYTES + d[2]
+            seg.scanned = off
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    def _touch(self, seg: _Segment) -> None:
+        now = time.monotonic()
+        if now - seg.touched < self.touch_interval_s:
+            return
+        seg.touched = now
+        try:
+            os.utime(seg.path)
+            seg.mtime = time.time()
+        except OSError:
+            pass  # gone, or a read-only store: recency is best effort
+
+    # ---- reads ---------------------------------------------------------------------------------
+
+
+    def _read(self, kind: ValueKind, key: bytes, dest: Buffer, fds: dict[str, int]) -> bool:
+        out = memoryview(dest).cast("B")
+        ent = self._find(kind, key)
+        if ent is None:
+            self.counters.add(num_misses=1)
+            return False
+        seg, off, nbytes = ent
+        fd = fds.get(seg.name)
+        if fd is None:
+            try:
+                fd = fds[seg.name] = os.open(seg.path, os.O_RDONLY)
+            except FileNotFoundError:
+                with self._lock:
+                    self._forget(seg)  # evicted (here or by another server)
+                self.counters.add(num_misses=1)
+                return False
+            except OSError as e:
+                self._log_once(f"read:{e.errno}", f"cannot open stored values ({e}); treating as misses")
+                self.counters.add(num_misses=1)
+                return False
+        head = bytearray(HEADER_BYTES)
+        why = None
+        if nbytes != out.nbytes:
+            why = f"payload of {nbytes} bytes, expected {out.nbytes}"
+        else:
+            # Header and payload in one call, the payload straight into the caller's buffer.
+            try:
+                got = os.preadv(fd, [head, out], off)
+            except OSError as e:
+                got, why = 0, f"read error: {e}"
+            if why is None and got != HEADER_BYTES + nbytes:
+                why = "truncated value"
+            if why is None:
+                why = self.codec.problem(head, kind, key, out.nbytes)
+            if why is None and not self.codec.checksum_ok(head, out):
+                why = "checksum mismatch"
+        if why is not None:
+            self._corrupt(seg, kind, key, off, why)
+            return False
+        self._touch(seg)
+        if kind is ValueKind.KV:
+            self.counters.add(num_read_pages=1, num_read_bytes=HEADER_BYTES + nbytes)
+        else:
+            self.counters.add(num_read_states=1, num_read_bytes=HEADER_BYTES + nbytes)
+        return True
+
+    def _corrupt(self, seg: _Segment, kind: ValueKind, key: bytes, off: int, why: str) -> None:
+        self.counters.add(num_corrupt=1)
+        _log.warning("storage: the value at %s:%d is corrupt (%s); forgotten, treated as a miss", seg.path, off, why)
         with self._lock:
-            self._used = total
+            ent = self._index.get((kind, key))
+            if ent is not None and ent[0] is seg and ent[1] == off:
+                del self._index[(kind, key)]
+                if kind is ValueKind.STATE:
+                    self._state_bytes -= HEADER_BYTES + ent[2]
+
+    # ---- writes --------------------------------------------------------------------------------
+
+    def _write(self, kind: ValueKind, keys: Sequence[bytes], blobs: Sequence[Buffer], token_count: int) -> list[bool]:
+        out = [False] * len(keys)
+        todo: list[int] = []
+        batch: set[bytes] = set()
+        alive: dict[str, bool] = {}  # a value is skipped only if its segment is still on disk
+        for i, key in enumerate(keys):
+            ent = self._index.get((kind, key))
+            if ent is not None and ent[0].name not in alive:
+                alive[ent[0].name] = os.path.exists(ent[0].path)
+                if not alive[ent[0].name]:
+                    with self._lock:
+                        self._forget(ent[0])  # deleted by another server (or by hand)
+            if ent is not None and alive[ent[0].name]:
+                self._touch(ent[0])
+                self.counters.add(num_skipped_writes=1)
+                out[i] = True
+            elif key not in batch:
+                batch.add(key)
+                todo.append(i)
+        if not todo:
+            return out
+        iov: list[Buffer] = []
+        sizes: list[int] = []
+        for i in todo:
+            payload = memoryview(blobs[i]).cast("B")
+            iov += [self.codec.header(kind, keys[i], payload, token_count), payload]
+            sizes.append(payload.nbytes)
+        total = sum(sizes) + HEADER_BYTES * len(todo)
+        ok = self._append(iov, total, [(kind, keys[i], n) for i, n in zip(todo, sizes)])
+        for i in todo:
+            out[i] = ok
+        for i, key in enumerate(keys):  # a key repeated within the batch was stored with its first copy
+            if not out[i] and key in batch and ok:
+                out[i] = True
+        if ok:
+            written = {"num_written_pages" if kind is ValueKind.KV else "num_written_states": len(todo)}
+            self.counters.add(num_written_bytes=total, **written)
+        else:
+            self.counters.add(num_refused_writes=len(todo))
+        return out
+
+    def _append(self, iov: list[Buffer], total: int, records: list[tuple[ValueKind, bytes, int]]) -> bool:
+        with self._write_lock:
+            if self._closed:
+                return False
+            if not self._reserve(total):
+                return False
+            try:
+                seg, fd = self._segment_for(total)
+                start = seg.size
+                _pwritev_all(fd, iov, start, total)
+                if self.fsync:
+                    os.fdatasync(fd)
+            except OSError as e:
+                with self._lock:
+                    self._unreserve(total)
+                    self._close_active()  # its tail may be torn: the next write starts a new segment
+                self._log_once(f"write:{e.errno}", f"storage writes to {self.dir} fail ({e}); refusing them")
+                return False
+            with self._lock:
+                off = start
+                for kind, key, nbytes in records:
+                    self._add(seg, kind, key, off, nbytes)
+                    off += HEADER_BYTES + nbytes
+                seg.size = seg.scanned = off
+                seg.mtime = time.time()
+                seg.touched = time.monotonic()
+            return True
+
+    def _segment_for(self, nbytes: int) -> tuple[_Segment, int]:
+        """The active segment (a new one when it is full, or another server deleted it)."""
+        seg, fd = self._active, self._active_fd
+        if seg is not None and fd is not None:
+            full = seg.size and seg.size + nbytes > self.segment_bytes
+            if full or os.fstat(fd).st_nlink == 0:
+                with self._lock:
+                    if not full:
+                        self._forget(seg)
+                    self._close_active()
+                seg = None
+        if seg is None or self._active_fd is None:
+            self._seq += 1
+            name = f"{self._tag}-{self._seq:06d}{_SEG}"
+            path = os.path.join(self.dir, name)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileNotFoundError:
+                os.makedirs(self.dir, exist_ok=True)  # the directory was removed under us
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            seg = _Segment(name, path, own=True)
+            with self._lock:
+                self._segments[name] = seg
+                self._active, self._active_fd = seg, fd
+        assert self._active_fd is not None
+        return seg, self._active_fd
+
+    def _close_active(self) -> None:
+        if self._active_fd is not None:
+            try:
+                os.close(self._active_fd)
+            except OSError:
+                pass
+        self._active, self._active_fd = None, None
+
+    # ---- the size cap --------------------------------------------------------------------------
+
+    def _reserve(self, nbytes: int) -> bool:
+        """Room for `nbytes` under the cap, evicting least recently used segments if needed."""
+        with self._lock:
+            if not self.max_bytes:
+                self._used += nbytes
+                return True
+            if nbytes > self.max_bytes:
+                return False
+            with self._shared():
+                used = self._get_shared()
+                if used + nbytes > self.max_bytes:
+                    self._rescan(force=True)  # the true count: other servers' writes and evictions
+                    if self._used + nbytes > self.max_bytes:
+                        self._evict(int(self.max_bytes * self.low_watermark) - nbytes)
+                    used = self._used
+                if used + nbytes > self.max_bytes:
+                    self._set_shared(used)
+                    return False
+                self._set_shared(used + nbytes)
+                self._used = used + nbytes
+                return True
+
+    def _unreserve(self, nbytes: int) -> None:
+        with self._lock, self._shared():
+            self._used = max(0, self._get_shared() - nbytes)
+            self._set_shared(self._used)
+
+    def _shared(self) -> _Flock:
+        return _Flock(self._usage_fd)
+
+    def _get_shared(self) -> int:
+        if self._usage_fd is None:
+            return self._used
+        raw = os.pread(self._usage_fd, 8, 0)
+        return int.from_bytes(raw, "little") if len(raw) == 8 else self._used
+
+    def _set_shared(self, value: int) -> None:
+        if self._usage_fd is not None:
+            os.pwrite(self._usage_fd, max(value, 0).to_bytes(8, "little"), 0)
+
+    def _evict(self, target_bytes: int) -> None:
+        """Delete whole segments, least recently used first, until the directory holds at most
+        `target_bytes` (called with the lock held, after a rescan)."""
+        evicted = 0
+        for seg in sorted(self._segments.values(), key=lambda s: s.mtime):
+            if self._used <= target_bytes:
+                break
+            size = seg.size
+            try:
+                os.unlink(seg.path)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue  # a read-only store: nothing can go
+            if seg is self._active:
+                self._close_active()
+            evicted += len(seg.keys)
+            self._forget(seg)
+            self._used -= size
         if evicted:
             self.counters.add(num_evicted=evicted)
 
@@ -337,25 +618,27 @@ class FileBackend(StorageBackend):
         _log.warning("storage: %s", message)
 
 
-def _read_full(f: io.FileIO, out: memoryview) -> int:
-    got = 0
-    while got < out.nbytes:
-        n = f.readinto(out[got:])
-        if not n:
-            break
-        got += n
-    return got
+class _Flock:
+    """An exclusive flock on the directory's usage file for a `with` block (nothing without one)."""
+
+    def __init__(self, fd: int | None) -> None:
+        self.fd = fd
+
+    def __enter__(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
 
 
-def _write_full(fd: int, data: memoryview) -> None:
-    done = 0
-    while done < data.nbytes:
-        done += os.write(fd, data[done:])
-
-
-def _unlink_quietly(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except OSError:
-        return False
+def _pwritev_all(fd: int, iov: list[Buffer], offset: int, total: int) -> None:
+    done = os.pwritev(fd, iov, offset)
+    if done == total:
+        return
+    rest = b"".join(bytes(b) for b in iov)[done:]  # a short write (rare): finish with plain writes
+    while rest:
+        n = os.pwrite(fd, rest, offset + done)
+        done += n
+        rest = rest[n:]

@@ -91,6 +91,9 @@ class JobResult(NamedTuple):
     queued_s: float
     run_s: float
     error: str | None
+    # Prefetch: the intermediate states (`mid_states`, by page count) read and verified, each
+    # only once every page before it was: a partial job can still end at one of them.
+    states_read: tuple[int, ...] = ()
 
 
 class ShutdownResult(NamedTuple):
@@ -127,6 +130,8 @@ class _Job:
     state: StateCopy | None
     tag: Any
     num_tokens: int  # reserved from the budget (prefetch only)
+    mid_states: list[tuple[int, StateCopy]] = field(default_factory=list)  # (after this many pages, state)
+    states_read: list[int] = field(default_factory=list)
     future: Future[JobResult] = field(default_factory=Future)
     lock: threading.Lock = field(default_factory=threading.Lock)
     submitted: float = field(default_factory=time.monotonic)
@@ -239,11 +244,22 @@ class StorageIO:
         return JobHandle(job)
 
     def submit_prefetch(
-        self, keys: list[bytes], host_pages: list[int], state: StateCopy | None = None, tag: Any = None
+        self,
+        keys: list[bytes],
+        host_pages: list[int],
+        state: StateCopy | None = None,
+        tag: Any = None,
+        mid_states: list[tuple[int, StateCopy]] = (),  # type: ignore[assignment]
     ) -> JobHandle:
         """Read pages (then the state, only if every page arrived) from storage into host memory.
-        Completes at once as REFUSED when its tokens do not fit the in-flight budget."""
+        `mid_states` (page count, state), ascending and inside the job, are read as soon as their
+        pages are, so a job revoked half-way still ends at a state (hybrid models). Completes at
+        once as REFUSED when its tokens do not fit the in-flight budget."""
         job = self._make(JobKind.PREFETCH, keys, host_pages, state, tag, num_tokens=len(keys) * self.page_size)
+        for at, st in mid_states:
+            if not 0 < at < len(keys) or self._state is None or not 0 <= st.host_slot < len(self._state):
+                raise ValueError(f"mid_states: ({at}, slot {st.host_slot}) is outside the job or the state pool")
+        job.mid_states = sorted(mid_states)
         if not self.budget.try_acquire(job.num_tokens):
             self._finish(job, JobOutcome.REFUSED, None, release=False)
         else:
@@ -354,11 +370,13 @@ class StorageIO:
             self._finish(job, JobOutcome.REVOKED, None)
             return
         copy = self._prefetch_batch if job.kind is JobKind.PREFETCH else self._backup_batch
-        for start in range(0, len(job.keys), self.batch_pages):
+        mids = list(job.mid_states)
+        start = 0
+        while start < len(job.keys):
             if job.revoked:
                 self._finish(job, JobOutcome.REVOKED, None)
                 return
-            end = min(start + self.batch_pages, len(job.keys))
+            end = min(start + self.batch_pages, len(job.keys), *(at for at, _ in mids[:1]))
             n = copy(job.keys[start:end], job.host_pages[start:end])
             job.num_bytes += n * self._kv.shape[1]  # type: ignore[union-attr]
             with job.lock:
@@ -367,6 +385,9 @@ class StorageIO:
             if n < end - start:
                 self._finish(job, JobOutcome.PARTIAL, None)
                 return
+            start = end
+            if mids and mids[0][0] == end and not job.revoked:
+                self._read_mid_state(job, *mids.pop(0))
         if job.state is not None:
             if job.revoked:
                 self._finish(job, JobOutcome.REVOKED, None)
@@ -388,6 +409,17 @@ class StorageIO:
         with job.lock:
             complete = job.num_pages == len(job.keys) and (job.state is None or job.state_ok)
         self._finish(job, JobOutcome.DONE if complete else JobOutcome.REVOKED, None)
+
+    def _read_mid_state(self, job: _Job, at: int, state: StateCopy) -> None:
+        assert self._state is not None
+        slot = memoryview(self._state[state.host_slot])
+        ok = self.backend.get_state(state.page_key, slot)  # a miss here only means one less place to stop
+        if ok:
+            job.num_bytes += slot.nbytes
+            job.num_state_bytes += slot.nbytes
+        with job.lock:
+            if ok and not job.revoked:
+                job.states_read.append(at)
 
     def _prefetch_batch(self, keys: list[bytes], pages: list[int]) -> int:
         assert self._kv is not None
@@ -427,6 +459,7 @@ class StorageIO:
                 queued_s=(job.started or now) - job.submitted,
                 run_s=0.0 if job.started is None else now - job.started,
                 error=error,
+                states_read=tuple(job.states_read),
             )
         if release and job.kind is JobKind.PREFETCH:
             try:

@@ -13,8 +13,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from himamba.services.cache.storage.base import HEADER_BYTES, StorageHit, find_hit
-from himamba.services.cache.storage.file import FileBackend, default_storage_dir
+from himamba.services.cache.storage.base import HEADER_BYTES, StorageHit, ValueKind, find_hit
+from himamba.services.cache.storage.file import (
+    DEFAULT_CAP_FRACTION,
+    FileBackend,
+    default_cap,
+    default_storage_dir,
+)
+from himamba.services.cache.storage.factory import open_backend
 
 FP = bytes(range(32))
 OTHER_FP = bytes(range(100, 132))
@@ -77,52 +83,62 @@ def test_a_closed_backend_refuses_calls(tmp_path: Path) -> None:
         b.exists(_keys(1))
 
 
-def _file(b: FileBackend, key: bytes, suffix: str = ".kv") -> Path:
-    return b.dir / key.hex()[:2] / (key.hex() + suffix)
+def _record(b: FileBackend, key: bytes, kind: ValueKind = ValueKind.KV) -> tuple[Path, int, int]:
+    """(segment file, offset, payload bytes) of a stored value."""
+    seg, off, nbytes = b._index[(kind, key)]
+    return Path(seg.path), off, nbytes
 
 
-@pytest.mark.parametrize("damage", ["payload_bit", "header_bit", "checksum_bit", "truncate", "extend", "empty"])
-def test_a_damaged_file_is_a_counted_miss_and_is_deleted(tmp_path: Path, damage: str) -> None:
+def _segments(b: FileBackend) -> list[Path]:
+    return sorted(b.dir.glob("*.seg"))
+
+
+@pytest.mark.parametrize("damage", ["payload_bit", "header_bit", "checksum_bit"])
+def test_a_damaged_value_is_a_counted_miss_and_is_forgotten(tmp_path: Path, damage: str) -> None:
     b = FileBackend(FP, tmp_path)
     keys, pages = _keys(4), _pages(4)
     _store(b, keys, pages)
-    path = _file(b, keys[2])
+    path, off, _ = _record(b, keys[2])
     data = bytearray(path.read_bytes())
     if damage == "payload_bit":
-        data[HEADER_BYTES + 17] ^= 0x01
+        data[off + HEADER_BYTES + 17] ^= 0x01
     elif damage == "header_bit":
-        data[10] ^= 0x40  # payload length
-    elif damage == "checksum_bit":
-        data[HEADER_BYTES - 1] ^= 0x80
-    elif damage == "truncate":
-        data = data[: len(data) - 5]
-    elif damage == "extend":
-        data += b"x"
+        data[off + 10] ^= 0x40  # payload length
     else:
-        data = bytearray()
+        data[off + HEADER_BYTES - 1] ^= 0x80
     path.write_bytes(bytes(data))
     n, out = _read(b, keys)
     assert n == 2 and np.array_equal(out[:2], pages[:2])
     assert b.stats().num_corrupt == 1
-    assert not path.exists()
     assert b.exists(keys) == 2
     # The page can be stored again and then serves normally.
     assert _store(b, keys[2:3], pages[2:3]) == [True]
     assert _read(b, keys)[0] == 4
 
 
-def test_a_value_under_the_wrong_name_or_model_is_a_miss(tmp_path: Path) -> None:
+def test_a_torn_segment_tail_is_ignored_at_open_and_the_rest_serves(tmp_path: Path) -> None:
+    b = FileBackend(FP, tmp_path)
+    keys, pages = _keys(4), _pages(4)
+    _store(b, keys, pages)
+    b.close()
+    (path,) = _segments(b)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 5])  # a writer died in the middle of the last value
+    again = FileBackend(FP, tmp_path)
+    n, out = _read(again, keys)
+    assert n == 3 and np.array_equal(out[:3], pages[:3])
+    assert again.stats().num_corrupt == 0  # never indexed: not a hit to verify
+
+
+def test_a_value_of_another_model_in_the_directory_is_never_served(tmp_path: Path) -> None:
     b = FileBackend(FP, tmp_path)
     keys, pages = _keys(2), _pages(2)
     _store(b, keys[:1], pages[:1])
-    _file(b, keys[1]).parent.mkdir(parents=True, exist_ok=True)
-    _file(b, keys[1]).write_bytes(_file(b, keys[0]).read_bytes())  # a valid value, misplaced
-    assert _read(b, keys[1:])[0] == 0
+    b.close()
     other = FileBackend(OTHER_FP, tmp_path)
-    _file(other, keys[0]).parent.mkdir(parents=True, exist_ok=True)
-    _file(other, keys[0]).write_bytes(_file(b, keys[0]).read_bytes())  # another model's value
-    assert _read(other, keys[:1])[0] == 0
-    assert b.stats().num_corrupt == 1 and other.stats().num_corrupt == 1
+    (path,) = _segments(b)
+    path.rename(other.dir / path.name)  # another model's segment, misplaced
+    assert _read(FileBackend(OTHER_FP, tmp_path), keys[:1])[0] == 0
 
 
 def test_a_buffer_of_another_size_never_receives_a_page(tmp_path: Path) -> None:
@@ -153,9 +169,9 @@ def test_find_hit_ends_a_hybrid_hit_at_a_stored_state(tmp_path: Path) -> None:
     b.set_state(keys[1], b"s" * 10)
     b.set_state(keys[3], b"s" * 10)
     b.set_state(keys[7], b"s" * 10)  # beyond the KV prefix: unusable
-    assert find_hit(b, keys, needs_state=True) == StorageHit(6, 4)
+    assert find_hit(b, keys, needs_state=True) == StorageHit(6, 4, (2, 4))
     assert find_hit(b, keys, needs_state=False) == StorageHit(6, 6)
-    assert find_hit(b, keys[:3], needs_state=True) == StorageHit(3, 2)
+    assert find_hit(b, keys[:3], needs_state=True) == StorageHit(3, 2, (2,))
 
 
 def test_a_read_only_store_refuses_writes_cleanly_and_logs_once(
@@ -172,12 +188,12 @@ def test_a_read_only_store_refuses_writes_cleanly_and_logs_once(
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(os, "open", read_only_open)
+    b = FileBackend(FP, tmp_path)  # a server started on the read-only store
     with caplog.at_level(logging.WARNING, logger="himamba.cache.storage"):
         assert _store(b, keys[2:], pages[2:]) == [False] * 4
         assert not b.set_state(keys[0], b"s")
     assert sum("fail" in r.getMessage() for r in caplog.records) == 1
     assert b.stats().num_refused_writes == 5
-    assert not list(b.dir.rglob("*.tmp"))
     n, out = _read(b, keys)  # what was stored still serves
     assert n == 2 and np.array_equal(out[:2], pages[:2])
 
@@ -230,26 +246,62 @@ def test_concurrent_writers_and_readers_of_the_same_keys(tmp_path: Path) -> None
         t.join()
     assert errors == []
     assert _read(FileBackend(FP, tmp_path), keys)[0] == 4
-    assert not list(tmp_path.rglob("*.tmp"))
 
 
-def test_the_size_cap_evicts_least_recently_used_files(tmp_path: Path) -> None:
+def test_the_size_cap_evicts_least_recently_used_segments(tmp_path: Path) -> None:
     value = HEADER_BYTES + PAGE
-    b = FileBackend(FP, tmp_path, max_bytes=5 * value, low_watermark=0.6)
+    b = FileBackend(FP, tmp_path, max_bytes=5 * value, low_watermark=0.6, segment_bytes=value, touch_interval_s=0)
     keys, pages = _keys(10), _pages(10)
-    assert _store(b, keys[:5], pages[:5]) == [True] * 5
-    for i, k in enumerate(keys[:5]):  # distinct, old recencies: key 0 oldest
-        os.utime(_file(b, k), (1_000_000 + i, 1_000_000 + i))
+    for i in range(5):  # one value per segment, distinct old recencies: key 0 oldest
+        assert _store(b, keys[i : i + 1], pages[i : i + 1]) == [True]
+        os.utime(_record(b, keys[i])[0], (1_000_000 + i, 1_000_000 + i))
+        b._index[(ValueKind.KV, keys[i])][0].mtime = 1_000_000 + i
     assert _read(b, keys[:1])[0] == 1  # a hit refreshes key 0
     assert _store(b, keys[5:6], pages[5:6]) == [True]
     s = b.stats()
     assert s.num_evicted == 3 and s.used_bytes <= 5 * value and s.capacity_bytes == 5 * value
-    present = [_file(b, k).exists() for k in keys[:6]]
-    assert present == [True, False, False, False, True, True]
+    assert [b.exists(keys[i : i + 1]) for i in range(6)] == [1, 0, 0, 0, 1, 1]
     assert _store(b, keys[6:], pages[6:]) == [True] * 4
-    assert len(list(b.dir.rglob("*.kv"))) <= 5
+    assert sum(p.stat().st_size for p in _segments(b)) <= 5 * value
     # A restart counts what is on disk.
     assert FileBackend(FP, tmp_path, max_bytes=5 * value).stats().used_bytes == b.stats().used_bytes
+
+
+def test_filling_far_past_a_small_cap_keeps_the_directory_under_it(tmp_path: Path) -> None:
+    cap = 40 * (HEADER_BYTES + PAGE)
+    b = FileBackend(FP, tmp_path, max_bytes=cap)
+    for i in range(30):
+        _store(b, _keys(8, salt=i), _pages(8, seed=i))
+        assert sum(p.stat().st_size for p in _segments(b)) <= cap
+    assert b.stats().num_evicted > 0
+    assert _read(b, _keys(8, salt=29))[0] == 8  # the newest survive
+
+
+def test_the_default_cap_is_a_fraction_of_the_free_space_at_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert default_cap(1_000_000_000) == int(1_000_000_000 * DEFAULT_CAP_FRACTION)
+    assert default_cap(0) == 1
+    import himamba.services.cache.storage.factory as factory
+
+    monkeypatch.setattr(factory, "filesystem_free_bytes", lambda d: 50_000_000)
+    b = open_backend("file", FP, directory=tmp_path)
+    assert b is not None and b.stats().capacity_bytes == default_cap(50_000_000) > 0
+    assert open_backend("file", FP, directory=tmp_path, max_bytes=123).stats().capacity_bytes == 123  # type: ignore[union-attr]
+
+
+def test_two_instances_share_one_directory_read_each_other_and_respect_one_cap(tmp_path: Path) -> None:
+    cap = 30 * (HEADER_BYTES + PAGE)
+    a = FileBackend(FP, tmp_path, max_bytes=cap, rescan_s=0)
+    b = FileBackend(FP, tmp_path, max_bytes=cap, rescan_s=0)
+    ka, kb = _keys(4, salt=1), _keys(4, salt=2)
+    _store(a, ka, _pages(4, 1))
+    _store(b, kb, _pages(4, 2))
+    assert a.exists(kb) == 4 and b.exists(ka) == 4  # live, without a restart
+    n, out = _read(a, kb)
+    assert n == 4 and np.array_equal(out, _pages(4, 2))
+    for i in range(20):
+        _store(a if i % 2 else b, _keys(4, salt=10 + i), _pages(4, 10 + i))
+        assert sum(p.stat().st_size for p in _segments(a)) <= cap
+    assert _read(a, _keys(4, salt=29))[0] == 4 and _read(b, _keys(4, salt=28))[0] == 4
 
 
 def test_a_value_larger_than_the_cap_is_refused(tmp_path: Path) -> None:

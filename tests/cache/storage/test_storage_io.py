@@ -363,7 +363,7 @@ def test_lookup_answers_the_hybrid_hit_and_a_failing_store_is_a_counted_miss(tmp
     inner.set_pages(keys[:4], [memoryview(kv[i].numpy()) for i in range(4)])
     inner.set_state(keys[1], b"s" * SLOT_BYTES)
     io = StorageIO(inner, kv, state, page_size=PAGE_SIZE, prefetch_budget_tokens=64)
-    assert io.lookup(keys, needs_state=True).result(WAIT_S) == StorageHit(4, 2)
+    assert io.lookup(keys, needs_state=True).result(WAIT_S) == StorageHit(4, 2, (2,))
     assert io.lookup(keys, needs_state=False).result(WAIT_S) == StorageHit(4, 4)
     io.close()
 
