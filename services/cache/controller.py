@@ -10,6 +10,7 @@ prefix, protected by the request's lock); `pages[num_shared:]` belong to the req
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -49,6 +50,8 @@ from himamba.services.cache.radix_tree import (
 )
 from himamba.services.cache.storage.io_workers import StorageIO
 from himamba.services.cache.storage_tier import StorageTier
+
+_log = logging.getLogger("himamba.cache")
 
 
 @dataclass
@@ -413,7 +416,16 @@ class CacheController:
                 branch_len = m.kv_match_len
         own = self._alloc_pages(need_pages - len(shared))
         fresh = self._alloc_slots(need_slots) if own is not None else None
-        assert own is not None and fresh is not None, "allocation failed after the fit check"
+        if own is None or fresh is None:
+            # Not expected (the fit check counts what eviction can free), but a refusal here must
+            # cost this request only, never the controller: give back what it got, and say so.
+            _log.error("%s: allocation failed after the fit check (%d pages, %d slots)", op.rid, need_pages, need_slots)
+            if own:
+                self.device_kv.free(own)
+            if receipt is not None:
+                assert self.tree is not None
+                self.tree.unlock(receipt)
+            return Admitted(rid=op.rid, ok=False, reason="not enough memory (allocation failed after the fit check)")
         self.reserved.pop(op.rid, None)
         mine = max(op.num_slots - len(held), 0)
         slots = held + fresh[:mine]
