@@ -42,6 +42,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     n: int = 1  # samples of the same prompt; the siblings reuse the first one's prefill via the cache
     logprobs: bool = False
 
+    @property
+    def penalised(self) -> bool:
+        """Whether a repetition, frequency or presence penalty applies (the worker then keeps the
+        sequence's token counts)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     def validate(self, max_context_len: int) -> None:
         """Raise ValueError naming the first field that is out of range: every accepted value
         samples (no infinity or NaN can come out of the sampler's arithmetic)."""

@@ -97,7 +97,6 @@ class CacheClient:
         # PrefetchDone can overtake the CacheStepDone that said "prefetching" (the reply is applied
         # when the awaiting coroutine resumes): remembered here so that wait is not entered.
         self.prefetch_done: set[str] = set()
-        self.counters = {"lazy_alloc_failures": 0, "admission_blocked": 0, "cache_steps": 0}
 
     # ------------------------------------------------------------ ops and the round trip
 
@@ -120,7 +119,6 @@ class CacheClient:
         """One CacheStep round trip; its results are applied to `requests`."""
         step_id = self.trips.next_id()
         sent_epoch = self.epoch
-        self.counters["cache_steps"] += 1
         reply = await self.trips.call(
             self.outbox, CacheStep(step_id=step_id, ops=ops, cache_pid=self.cache_pid), step_id, CacheStepDone
         )
@@ -204,7 +202,6 @@ class CacheClient:
     def lazy_failed(self, req: Req) -> None:
         """No slot for this boundary: it tracks nothing, the older tracked state stays the one the
         tree gets at the finish, and the next boundary asks again."""
-        self.counters["lazy_alloc_failures"] += 1
         self.m[SCHEDULER_LAZY_ALLOC_FAILURES].inc()
         self.log.info(
             "%s: no slot for its lazy track buffer at this boundary; keeping the state tracked at %d",
@@ -244,7 +241,6 @@ class CacheClient:
                 elif not res.blocked and refused is None:
                     refused = res
                     self._refused_epoch = sent_epoch
-                    self.counters["admission_blocked"] += 1
                 continue
             if isinstance(res, (Inserted, Extended, SlotsAllocated, SlotsFreed, Released)) and res.error:
                 self.log.error("cache controller refused an op of %s: %s", res.rid, res.error)

@@ -104,7 +104,6 @@ class SchedulerService(Actor[ToScheduler]):
         self.running: list[Req] = []
         self.wake = asyncio.Event()
         self.last_mode: str | None = None
-        self.counters = {"retractions": 0, "steps": 0}
         self._to_reap: set[str] = set()  # aborted or stopped since the last step
         self._dropped: list[str] = []  # requests whose page tables the worker may forget
         self._refused: Admitted | None = None  # the waiting head, when its last admission was refused
@@ -251,7 +250,6 @@ class SchedulerService(Actor[ToScheduler]):
         done, _ = await reply.wait()
         self._on_batch_done(plan, done, outs)
         await self._flush(outs)
-        self.counters["steps"] += 1
         return True
 
     def _answer_unfittable_head(self, outs: list[TokenOut]) -> None:
@@ -332,7 +330,6 @@ class SchedulerService(Actor[ToScheduler]):
         return BatchPlan(plan.mode, items) if items else None
 
     def _retract(self, req: Req) -> None:
-        self.counters["retractions"] += 1
         self.log.info("retracting %s (out of KV pages), %d generated tokens kept", req.rid, len(req.output_ids))
         self.running.remove(req)
         self.cache.queue(Release(rid=req.rid))
@@ -353,11 +350,8 @@ class SchedulerService(Actor[ToScheduler]):
 
     async def _send_batch(self, plan: BatchPlan) -> Reply[BatchDone]:
         caps: dict[str, list[captures.Capture]] = {}
-        decode, interval = plan.mode == "decode", self.interval
         for req, n in plan.items:
-            if decode and not req.pending_captures and (req.computed_len + 1) % interval:
-                continue  # the common decode step captures nothing
-            found = captures.captures_for(req, plan.mode, n, self.strategy, interval, self.page_size)
+            found = captures.captures_for(req, plan.mode, n, self.strategy, self.interval, self.page_size)
             if found:
                 caps[req.rid] = found
         batch_id = self.trips.next_id()

@@ -18,11 +18,6 @@ from himamba.services.scheduler.captures import Capture
 from himamba.services.scheduler.request import Req
 
 
-def _penalised(req: Req) -> bool:
-    p = req.sampling
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-
-
 def _seq_plan(req: Req, n: int, caps: list[Capture], pages: list[int]) -> SeqPlan:
     """One sequence's plan; appends its page-table delta to `pages` and marks it sent."""
     start = req.computed_len
@@ -53,7 +48,7 @@ def _seq_plan(req: Req, n: int, caps: list[Capture], pages: list[int]) -> SeqPla
         page_start=0,
         num_new_pages=num_pages,
         sampling=req.sampling,
-        history=req.tokens(0, start) if _penalised(req) else [],
+        history=req.tokens(0, start) if req.sampling.penalised else [],
         num_prompt=len(req.prompt_ids),
     )
 

@@ -16,7 +16,7 @@ import torch
 from himamba.common.messages import SeqPlan
 from himamba.common.types import SamplingParams
 from himamba.common.wire import WireError
-from himamba.services.worker.penalties import PenaltyState, penalised
+from himamba.services.worker.penalties import PenaltyState
 
 
 @dataclass
@@ -62,7 +62,7 @@ class PageTables:
             if plan.page_start != 0 or plan.sampling is None:
                 raise WireError(f"{plan.rid}: a fresh page table starts at 0 with its sampling parameters")
             pen = None
-            if penalised(plan.sampling):
+            if plan.sampling.penalised:
                 pen = PenaltyState(self.vocab_size, plan.num_prompt, self.device)
                 pen.feed(plan.history)
             state = SeqState(0, torch.empty(0, dtype=torch.int64, device=self.device), plan.sampling, pen)

@@ -13,10 +13,6 @@ import torch
 from himamba.common.types import SamplingParams
 
 
-def penalised(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-
-
 class PenaltyState:
     """The context seen so far by one sequence: which tokens occur at all (repetition penalty,
     HF: prompt and output) and how often each occurs in the output (OpenAI: frequency/presence)."""
