@@ -24,6 +24,18 @@ _SEED_MIN = -(2**63)
 _SEED_MAX = 2**63 - MAX_SAMPLES
 
 
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "ebnf"]
+
+
+class GrammarSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A constraint on the generated text (structured outputs). `spec` is the kind's source:
+    a JSON schema as JSON text (`json_schema`; empty for `json_object`), a regular expression,
+    a JSON list of strings (`choice`) or an EBNF/GBNF grammar (`ebnf`)."""
+
+    kind: GrammarKind
+    spec: str = ""
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How to pick tokens and when to stop. `temperature == 0` means greedy."""
 
@@ -41,6 +53,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     presence_penalty: float = 0.0
     n: int = 1  # samples of the same prompt; the siblings reuse the first one's prefill via the cache
     logprobs: bool = False
+    grammar: GrammarSpec | None = None  # structured outputs: the text must match it
 
     @property
     def penalised(self) -> bool:
@@ -87,6 +100,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError(f"stop_token_ids: at most {MAX_STOP_STRINGS} ids, got {len(self.stop_token_ids)}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be >= 0")
+        if self.grammar is not None:
+            raise ValueError("grammar: structured outputs are not supported yet")
 
 
 class CachedTokens(msgspec.Struct, frozen=True, kw_only=True):
