@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Generic, Sequence, TypeVar
 
-import torch
 import zmq
 import zmq.asyncio
 
-from himamba.common.wire import Decoder, encode
+from himamba.common.wire import Decoder, Frame, encode
 
 T = TypeVar("T")
 
@@ -64,7 +63,7 @@ class Outbox:
         self._direct = zmq.Socket.shadow(self.sock.underlying)  # the same socket, without asyncio
         self._waiting = 0  # sends queued on the asyncio path (a direct send must not overtake them)
 
-    async def send(self, msg: Any, tensors: Sequence[torch.Tensor] = ()) -> None:
+    async def send(self, msg: Any, tensors: Sequence[Frame] = ()) -> None:
         frames = encode(msg, tensors)
         if not self._waiting:
             try:
@@ -80,7 +79,7 @@ class Outbox:
         finally:
             self._waiting -= 1
 
-    def send_nowait(self, msg: Any, tensors: Sequence[torch.Tensor] = ()) -> None:
+    def send_nowait(self, msg: Any, tensors: Sequence[Frame] = ()) -> None:
         """Queue a message without awaiting (used from signal handlers and at shutdown)."""
         self.sock.send_multipart(encode(msg, tensors), copy=False, flags=zmq.NOBLOCK)
 

@@ -6,6 +6,7 @@ receive) and the header names it with a `TensorRef(dtype, shape, frame)`. Pickle
 
 from __future__ import annotations
 
+import array
 import warnings
 from typing import Any, Generic, Sequence, TypeVar
 
@@ -55,9 +56,29 @@ def tensor_frame(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).reshape(-1).numpy())
 
 
-def encode(msg: Any, tensors: Sequence[torch.Tensor] = ()) -> list[Any]:
+class IntsFrame:
+    """A 1-D int64 tensor built from a Python list without torch: a step's token ids and page
+    deltas are a few hundred integers, and `torch.tensor(list)` costs several times more than the
+    list itself on the scheduler's per-step path."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: Sequence[int]) -> None:
+        self.values = array.array("q", values)
+
+    def ref(self, frame: int) -> TensorRef:
+        return TensorRef(dtype="int64", shape=(len(self.values),), frame=frame)
+
+
+Frame = torch.Tensor | IntsFrame
+
+
+def encode(msg: Any, tensors: Sequence[Frame] = ()) -> list[Any]:
     """Frames for `msg`; `tensors[i]` must be referenced in msg as TensorRef(frame=i)."""
-    return [_encoder.encode(msg), *(tensor_frame(t) for t in tensors)]
+    return [
+        _encoder.encode(msg),
+        *(memoryview(t.values).cast("B") if isinstance(t, IntsFrame) else tensor_frame(t) for t in tensors),
+    ]
 
 
 class Decoder(Generic[T]):

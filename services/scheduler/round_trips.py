@@ -7,10 +7,9 @@ import asyncio
 import itertools
 from typing import Any, Generic, TypeVar
 
-import torch
-
 from himamba.common.messages import BatchDone, CacheStepDone, Message
 from himamba.common.transport import Outbox
+from himamba.common.wire import Frame
 
 R = TypeVar("R", BatchDone, CacheStepDone)
 
@@ -40,7 +39,7 @@ class RoundTrips:
         return next(self._ids)
 
     async def call(
-        self, outbox: Outbox, msg: Message, key: int, reply_type: type[R], tensors: list[torch.Tensor] | None = None
+        self, outbox: Outbox, msg: Message, key: int, reply_type: type[R], tensors: list[Frame] | None = None
     ) -> Reply[R]:
         """Send `msg` and return the reply to wait for (registered before the send)."""
         fut: asyncio.Future[tuple[Any, list[Any]]] = asyncio.get_running_loop().create_future()

@@ -108,6 +108,7 @@ class SchedulerService(Actor[ToScheduler]):
         self._dropped: list[str] = []  # requests whose page tables the worker may forget
         self._refused: Admitted | None = None  # the waiting head, when its last admission was refused
         self._in_flight: dict[str, list[captures.Capture]] = {}
+        self._outs: list[TokenOut] = []  # tokens and finishes not yet sent to the front door
 
     # ------------------------------------------------------------ inbox
 
@@ -228,28 +229,34 @@ class SchedulerService(Actor[ToScheduler]):
                 await self.wake.wait()
 
     async def step(self) -> bool:
-        """One scheduling step; False when nothing can happen until a message arrives."""
-        outs: list[TokenOut] = []
-        self._reap(outs)
+        """One scheduling step; False when nothing can happen until a message arrives.
+
+        The tokens of the previous batch (`self._outs`) go to the front door right after this
+        step's RunBatch, not before it: the worker's idle time between two forwards is the
+        scheduler's serial work, and encoding a few hundred TokenOuts is not needed to start the
+        next forward. Every path that may wait flushes them first."""
+        self._reap(self._outs)
         cache_progress = False
         if not self.overlap or not self.running:
+            await self._flush()
             cache_progress = await self._cache_work(None)
         plan = pick_batch(self.running, self.cfg.scheduler.chunked_prefill_size, self.last_mode)
         if plan is not None:
             plan = await self._prepare(plan)
         if plan is None:
+            await self._flush()
             if self.cache.pending_transfers or self._dropped:
                 await self._run_transfers_only()
-            self._answer_unfittable_head(outs)
-            await self._flush(outs)
+            self._answer_unfittable_head(self._outs)
+            await self._flush()
             return cache_progress or bool(self.cache.pending_ops)
         reply = await self._send_batch(plan)
+        await self._flush()
         if self.overlap:
             # Prepare the next step (admissions, inserts, releases, pages) while the worker runs.
             await self._cache_work(plan)
         done, _ = await reply.wait()
-        self._on_batch_done(plan, done, outs)
-        await self._flush(outs)
+        self._on_batch_done(plan, done, self._outs)
         return True
 
     def _answer_unfittable_head(self, outs: list[TokenOut]) -> None:
@@ -261,8 +268,9 @@ class SchedulerService(Actor[ToScheduler]):
             return
         self._finish(head, "error", outs, error=f"the request does not fit in the memory pools ({refused.reason})")
 
-    async def _flush(self, outs: list[TokenOut]) -> None:
-        if outs:
+    async def _flush(self) -> None:
+        if self._outs:
+            outs, self._outs = self._outs, []
             await self.tokenizer.send(TokenBatch(outs=outs))
 
     # ------------------------------------------------------------ cache work
@@ -318,6 +326,7 @@ class SchedulerService(Actor[ToScheduler]):
         Pending releases go first, so what they free is there before anything is refused."""
         ops = self.cache.decode_needs(plan)
         if ops:
+            await self._flush()  # a round trip before the batch: the tokens do not wait for it
             self._on_applied(await self.cache.step(self.cache.take_pending() + ops, self.requests))
         extra = 1 if plan.mode == "decode" else 0
         short = [q for q, _ in plan.items if len(q.pages) * self.page_size < q.computed_len + extra]

@@ -9,10 +9,8 @@ finished or were retracted since the last batch are named in `dropped`.
 
 from __future__ import annotations
 
-import torch
-
 from himamba.common.messages import RunBatch, SeqPlan, Transfer
-from himamba.common.wire import tensor_ref
+from himamba.common.wire import IntsFrame
 from himamba.services.scheduler.batching import BatchPlan
 from himamba.services.scheduler.captures import Capture
 from himamba.services.scheduler.request import Req
@@ -59,7 +57,7 @@ def build_run_batch(
     captures: dict[str, list[Capture]],
     transfers: list[Transfer],
     dropped: list[str],
-) -> tuple[RunBatch, list[torch.Tensor]]:
+) -> tuple[RunBatch, list[IntsFrame]]:
     """The RunBatch of `plan` and its frames (input ids, page-table deltas)."""
     seqs: list[SeqPlan] = []
     ids: list[int] = []
@@ -71,15 +69,14 @@ def build_run_batch(
         else:
             ids.extend(req.tokens(req.computed_len, n))
         seqs.append(_seq_plan(req, n, captures.get(req.rid, no_caps), pages))
-    ids_t = torch.tensor(ids, dtype=torch.int64)
-    pages_t = torch.tensor(pages, dtype=torch.int64)
+    ids_f, pages_f = IntsFrame(ids), IntsFrame(pages)
     msg = RunBatch(
         batch_id=batch_id,
         mode=plan.mode,
         seqs=seqs,
-        input_ids=tensor_ref(ids_t, 0),
-        pages=tensor_ref(pages_t, 1),
+        input_ids=ids_f.ref(0),
+        pages=pages_f.ref(1),
         transfers=transfers,
         dropped=dropped,
     )
-    return msg, [ids_t, pages_t]
+    return msg, [ids_f, pages_f]
