@@ -19,6 +19,7 @@ from himamba.common.config_flags import accepted_notes, add_config_flags, config
 from himamba.common.log import setup_logging
 from himamba.common.runtime_dir import resolve_endpoints
 from himamba.services.tokenizer.generation_defaults import load_generation_defaults
+from himamba.services.tokenizer.http.cors import parse_origins
 
 DEMO_ARCH = "nemotron_h"
 DEMO_PRESET = "tiny"
@@ -73,6 +74,10 @@ def resolve_model(cfg: Config) -> Resolved:
         load_generation_defaults(generation_config, path)
     except ValueError as e:
         raise ConfigError(f"{field_name('model', 'generation_config')}: {e}") from None
+    try:
+        parse_origins(cfg.http.allowed_origins)
+    except ValueError as e:
+        raise ConfigError(f"{field_name('http', 'allowed_origins')}: {e}") from None
     try:
         raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
