@@ -44,6 +44,7 @@ GENERATION_CONFIG = {
 TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{{ eos_token }}\n{% endfor %}" + (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+OVERRIDE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% generation %}>{% endgeneration %}"
 FROM_FILE = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1}
 API_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
@@ -98,8 +99,8 @@ def auto(model_dir: Path, demo_tokenizer: Tokenizer) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def plain(model_dir: Path, demo_tokenizer: Tokenizer) -> Iterator[Server]:
-    """--generation-config vllm (the file ignored), no CORS."""
-    yield from _server(model_dir, demo_tokenizer, model={"generation_config": "vllm"})
+    """--generation-config vllm (the file ignored), no CORS, and --chat-template replacing the checkpoint's."""
+    yield from _server(model_dir, demo_tokenizer, model={"generation_config": "vllm", "chat_template": OVERRIDE})
 
 
 # ---------------------------------------------------------------- generation_config.json defaults
@@ -207,6 +208,32 @@ def test_tokenize_prompt_and_messages(auto: Server, demo_tokenizer: Tokenizer):
     cont = {"messages": [*messages, {"role": "assistant", "content": "Sure"}], "add_generation_prompt": False}
     opened = auto.request("POST", "/tokenize", {**cont, "continue_final_message": True}).json()
     assert demo_tokenizer.decode(opened["tokens"], skip_special_tokens=False).endswith("<|assistant|>\nSure")
+
+
+def test_chat_ids_equal_transformers(auto: Server, model_dir: Path):
+    """What the server tokenizes for a conversation (the ids chat completions would run) is
+    transformers' apply_chat_template, tools and kwargs included."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    messages = [
+        {"role": "system", "content": "Ünïcode <b>"},
+        {"role": "user", "content": [{"type": "text", "text": "two"}, {"type": "text", "text": "parts"}]},
+    ]
+    flat = [messages[0], {"role": "user", "content": "two\nparts"}]  # text parts joined, as vLLM does
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    body = {"messages": messages, "tools": tools, "chat_template_kwargs": {"enable_thinking": False}}
+    ours = auto.request("POST", "/tokenize", body).json()["tokens"]
+    expected = hf.apply_chat_template(
+        flat, tools=tools, add_generation_prompt=True, enable_thinking=False, tokenize=True, return_dict=False
+    )
+    assert ours == list(expected)
+
+
+def test_chat_template_flag_replaces_the_checkpoints(plain: Server, demo_tokenizer: Tokenizer):
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    ids = plain.request("POST", "/tokenize", body).json()["tokens"]
+    assert demo_tokenizer.decode(ids, skip_special_tokens=False) == "[user] hi\n>"
 
 
 def test_tokenize_refusals(auto: Server):
