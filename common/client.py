@@ -19,7 +19,9 @@ Client -> server (`ClientRequest`):
 - ``{"type": "GenerateRequest", "rid": str, "prompt": str | nil, "input_ids": [int] | nil,
   "sampling": {...}, "stream": bool}``: exactly one of `prompt` / `input_ids`. `rid` is chosen
   by the client, unique among its in-flight requests on this connection (empty: the server
-  picks one). `sampling` (all optional): `max_tokens` (int | nil: server default),
+  picks one). `sampling` (all optional; `temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty`
+  left out of the map take the checkpoint's generation_config.json values, as HTTP requests do, and
+  `Client` sends every field): `max_tokens` (int | nil: server default, else up to the context length),
   `temperature` (0 = greedy), `top_p`, `top_k` (0 = off), `min_p`, `seed`, `stop` ([str]),
   `stop_token_ids` ([int]), `ignore_eos`, `repetition_penalty`, `frequency_penalty`,
   `presence_penalty`, `n` (samples of the prompt, 1 to 16; sample i uses `seed` + i when a seed

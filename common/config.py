@@ -67,6 +67,14 @@ class ModelConfig(_Section):
             '"": the checkpoint\'s (tokenizer_config.json or chat_template.jinja).'
         ),
     ] = ""
+    generation_config: Annotated[
+        str,
+        doc(
+            "Sampling defaults for requests that leave them out (temperature, top_p, top_k, min_p, "
+            "repetition_penalty; max_new_tokens for max_tokens): auto: the checkpoint's generation_config.json; "
+            "vllm: none (the API's own defaults); or a directory holding a generation_config.json."
+        ),
+    ] = "auto"
     dtype: Annotated[
         Dtype,
         doc(
@@ -151,9 +159,13 @@ class SchedulerConfig(_Section):
         PositiveInt, doc("The most requests running (admitted) at once.", "--max-num-seqs")
     ] = 64
     chunked_prefill_size: Annotated[PositiveInt, doc("The most new prompt tokens one prefill forward runs.")] = 512
-    default_max_tokens: Annotated[PositiveInt, doc("Tokens generated for a request that does not say max_tokens.")] = (
-        128
-    )
+    default_max_tokens: Annotated[
+        NonNegInt,
+        doc(
+            "Tokens generated for a request that does not say max_tokens; 0: generation_config.json's "
+            "max_new_tokens if it has one, else up to the context length."
+        ),
+    ] = 0
     mamba_scheduler_strategy: Annotated[
         Literal["no_buffer", "extra_buffer", "extra_buffer_lazy", "single_buffer"],
         doc(
@@ -333,6 +345,13 @@ class HttpConfig(_Section):
     body_timeout_s: Annotated[
         float, msgspec.Meta(gt=0), doc("A request body must arrive within this, else 408.")
     ] = 30.0
+    allowed_origins: Annotated[
+        str,
+        doc(
+            'Browser origins allowed to call the API (CORS), comma-separated (or a JSON list, as vLLM\'s); "*": any; '
+            '"": none (no CORS headers are sent).'
+        ),
+    ] = ""
 
 
 class MetricsConfig(_Section):

@@ -18,6 +18,8 @@ from himamba.common.config import Config, ConfigError, field_name, resolve_dtype
 from himamba.common.config_flags import accepted_notes, add_config_flags, config_from_args, formatter_class
 from himamba.common.log import setup_logging
 from himamba.common.runtime_dir import resolve_endpoints
+from himamba.services.tokenizer.generation_defaults import load_generation_defaults
+from himamba.services.tokenizer.http.cors import parse_origins
 
 DEMO_ARCH = "nemotron_h"
 DEMO_PRESET = "tiny"
@@ -65,6 +67,17 @@ def resolve_model(cfg: Config) -> Resolved:
                 f"{field_name('model', 'chat_template')}: {chat_template} is neither a file nor a Jinja template"
             )
         chat_template = str(template_path.resolve())
+    generation_config = m.generation_config
+    if generation_config not in ("auto", "vllm"):
+        generation_config = str(Path(generation_config).expanduser().resolve())
+    try:  # checked here so a bad file stops start-up with the flag's name, not a service
+        load_generation_defaults(generation_config, path)
+    except ValueError as e:
+        raise ConfigError(f"{field_name('model', 'generation_config')}: {e}") from None
+    try:
+        parse_origins(cfg.http.allowed_origins)
+    except ValueError as e:
+        raise ConfigError(f"{field_name('http', 'allowed_origins')}: {e}") from None
     try:
         raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -75,6 +88,7 @@ def resolve_model(cfg: Config) -> Resolved:
         model=str(path),
         tokenizer=str(tokenizer) if m.tokenizer else "",
         chat_template=chat_template,
+        generation_config=generation_config,
         dtype=dtype.dtype,
     )
     return Resolved(msgspec.structs.replace(cfg, model=model), [f"dtype {dtype.dtype} ({dtype.why})"])

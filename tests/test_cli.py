@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from himamba.common.config import Config, ConfigError, ModelConfig
+from himamba.common.config import Config, ConfigError, HttpConfig, ModelConfig
 from himamba.services.cli import main, resolve_model
 
 
@@ -48,6 +49,26 @@ def test_tokenizer_and_chat_template_are_checked_and_made_absolute(tmp_path, mon
     assert resolve_model(_cfg(model=str(tok), chat_template=inline)).cfg.model.chat_template == inline
     with pytest.raises(ConfigError, match="--chat-template .* neither a file nor a Jinja template"):
         resolve_model(_cfg(model=str(tok), chat_template="missing.jinja"))
+
+
+def test_generation_config_and_allowed_origins_are_checked(tmp_path, monkeypatch):
+    model = _ckpt(tmp_path / "m")
+    assert resolve_model(_cfg(model=str(model))).cfg.model.generation_config == "auto"
+    assert resolve_model(_cfg(model=str(model), generation_config="vllm")).cfg.model.generation_config == "vllm"
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "generation_config.json").write_text('{"temperature": 0.7}')
+    monkeypatch.chdir(tmp_path)
+    cfg, _ = resolve_model(_cfg(model=str(model), generation_config="g"))
+    assert cfg.model.generation_config == str((tmp_path / "g").resolve())
+    with pytest.raises(ConfigError, match=r"--generation-config .* has no generation_config.json"):
+        resolve_model(_cfg(model=str(model), generation_config="nowhere"))
+    (model / "generation_config.json").write_text('{"temperature": -1}')
+    with pytest.raises(ConfigError, match=r"--generation-config .* temperature must be"):
+        resolve_model(_cfg(model=str(model)))
+    (model / "generation_config.json").unlink()
+    bad_origins = msgspec.structs.replace(_cfg(model=str(model)), http=HttpConfig(allowed_origins="[oops"))
+    with pytest.raises(ConfigError, match=r"--allowed-origins .* not a JSON list"):
+        resolve_model(bad_origins)
 
 
 def test_a_hub_id_gets_a_hint(tmp_path, capsys):

@@ -25,7 +25,7 @@ class PreparedRequest(NamedTuple):
 class RequestLimits(NamedTuple):
     vocab_size: int
     max_context_len: int
-    default_max_tokens: int
+    default_max_tokens: int  # 0: up to the context length
 
 
 def prepare_request(req: GenerateRequest, tokenizer: Tokenizer, limits: RequestLimits) -> PreparedRequest:
@@ -66,6 +66,8 @@ def prepare_request(req: GenerateRequest, tokenizer: Tokenizer, limits: RequestL
         raise ValueError(
             f"prompt has {prompt_len} tokens; max_context_len {limits.max_context_len} leaves no room to generate"
         )
+    # Left out: the server's default, else (0) all the room the context has left, as vLLM.
     wanted = sampling.max_tokens if sampling.max_tokens is not None else limits.default_max_tokens
+    wanted = wanted or limits.max_context_len
     max_tokens = min(wanted, limits.max_context_len - prompt_len)
     return PreparedRequest(input_ids, max_tokens, req.prompt is not None)

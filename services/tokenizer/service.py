@@ -59,6 +59,11 @@ from himamba.services.tokenizer.client_socket import (
     ClientSocket,
     CurveServer,
 )
+from himamba.services.tokenizer.generation_defaults import (
+    SamplingDefaults,
+    load_generation_defaults,
+    sent_sampling_fields,
+)
 from himamba.services.tokenizer.http.chat_template import (
     ChatTemplate,
     load_chat_template,
@@ -118,6 +123,7 @@ class TokenizerService(Actor[ToTokenizer]):
         self.model_name = cfg.model.served_model_name or Path(cfg.model.model).name
         self.max_context_len = cfg.model.max_context_len
         self.chat_template: ChatTemplate | None = None
+        self.sampling_defaults = SamplingDefaults()  # generation_config.json's, for fields a request leaves out
         self._http: HttpServer | None = None
         self._draining = False
         self._loaded: LoadedTokenizer | None = None
@@ -143,6 +149,8 @@ class TokenizerService(Actor[ToTokenizer]):
             self.chat_template = load_chat_template(m.tokenizer or m.model, m.chat_template)
         except ValueError as e:  # a broken template costs chat completions, not the server
             self.log.error("%s; /v1/chat/completions will refuse requests", e)
+        self.sampling_defaults = load_generation_defaults(m.generation_config, m.model)
+        self.log.info("%s", self.sampling_defaults.describe())
         self._scheduler = Outbox(self.ctx, self.cfg.endpoints.scheduler_ipc)
         # A worker that is already up sent its WorkerInfo (model vocab, eos) to an earlier front door.
         self._worker = Outbox(self.ctx, self.cfg.endpoints.worker_ipc)
@@ -385,6 +393,9 @@ class TokenizerService(Actor[ToTokenizer]):
             reply = ErrorReply(message="invalid or missing api_key (the server was started with --api-key)", rid=msg.rid, code=401)
             await self._reply(event.identity, reply)
             return
+        if isinstance(msg, GenerateRequest) and self.sampling_defaults.values():
+            given = sent_sampling_fields(event.frames[0].bytes)
+            msg = msgspec.structs.replace(msg, sampling=self.sampling_defaults.fill(msg.sampling, given))
         await self._dispatch(event.identity, msg)
 
     def _key_ok(self, key: str) -> bool:
@@ -425,7 +436,9 @@ class TokenizerService(Actor[ToTokenizer]):
             error = ErrorReply(message=f"rid {client_rid!r} is already in flight", rid=client_rid, code=409)
             await self._reply(identity, error)
             return
-        limits = RequestLimits(self._vocab_size, self.cfg.model.max_context_len, self.cfg.scheduler.default_max_tokens)
+        # --default-max-tokens when set, else generation_config.json's max_new_tokens, else (0) the context.
+        default_max_tokens = self.cfg.scheduler.default_max_tokens or self.sampling_defaults.max_tokens or 0
+        limits = RequestLimits(self._vocab_size, self.cfg.model.max_context_len, default_max_tokens)
         try:
             prepared = prepare_request(req, self._loaded.tokenizer, limits)
         except ValueError as e:

@@ -53,6 +53,20 @@ def test_config_matches_what_transformers_writes(checkpoints: dict[str, Path], a
     assert ours == theirs
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generation_config_matches_what_transformers_writes(
+    checkpoints: dict[str, Path], arch: str, tmp_path: Path
+) -> None:
+    """save_pretrained writes a generation_config.json derived from the model config (what a
+    model's generation_config starts as): ours is that file, so it recommends no sampling values."""
+    from transformers import AutoConfig, GenerationConfig
+
+    ours = json.loads((checkpoints[arch] / "generation_config.json").read_text())
+    GenerationConfig.from_model_config(AutoConfig.from_pretrained(checkpoints[arch])).save_pretrained(tmp_path)
+    assert ours == json.loads((tmp_path / "generation_config.json").read_text())
+    assert not {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens"} & set(ours)
+
+
 def test_greedy_outputs_are_not_degenerate(checkpoints: dict[str, Path]) -> None:
     from tokenizers import Tokenizer
 

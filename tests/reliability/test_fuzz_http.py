@@ -84,20 +84,20 @@ json_values = st.recursive(
     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)),
     max_leaves=10,
 )
-not_an_int = st.one_of(st.text(max_size=4), st.floats(allow_nan=False).filter(lambda f: f != int(f) if abs(f) < 1e300 else True), st.booleans(), st.lists(st.integers(), max_size=2))
-not_a_float = st.one_of(st.text(max_size=4), st.booleans(), st.lists(st.floats(allow_nan=False), max_size=2), st.dictionaries(st.text(max_size=2), st.integers(), max_size=1))
-not_a_bool = st.one_of(st.integers(), st.text(max_size=4), st.floats(allow_nan=False))
+not_an_int = st.one_of(st.text(max_size=4), st.floats(allow_nan=False, allow_infinity=False).filter(lambda f: f != int(f) if abs(f) < 1e300 else True), st.booleans(), st.lists(st.integers(), max_size=2))
+not_a_float = st.one_of(st.text(max_size=4), st.booleans(), st.lists(st.floats(allow_nan=False, allow_infinity=False), max_size=2), st.dictionaries(st.text(max_size=2), st.integers(), max_size=1))
+not_a_bool = st.one_of(st.integers(), st.text(max_size=4), st.floats(allow_nan=False, allow_infinity=False))  # inf is not JSON
 
 WRONG_TYPES: dict[str, st.SearchStrategy[Any]] = {
     "prompt": st.one_of(st.none(), st.integers(), st.booleans(), st.floats(allow_nan=False), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2)),
     "max_tokens": not_an_int,
     "temperature": not_a_float,
-    "top_p": st.one_of(st.none(), not_a_float),
+    "top_p": not_a_float,  # null: left out (generation_config.json's default), as temperature, top_k
     "n": st.one_of(st.none(), not_an_int),
     "stream": st.one_of(st.none(), not_a_bool),
     "stop": st.one_of(st.integers(), st.booleans(), st.lists(st.integers(), min_size=1, max_size=2)),
     "seed": not_an_int,
-    "top_k": st.one_of(st.none(), not_an_int),
+    "top_k": not_an_int,
     "ignore_eos": st.one_of(st.none(), not_a_bool),
     "stop_token_ids": st.one_of(st.text(min_size=1, max_size=4), st.lists(st.text(min_size=1, max_size=3), min_size=1, max_size=2)),
     "return_token_ids": st.one_of(st.none(), not_a_bool),

@@ -8,6 +8,7 @@ ranges are checked by the same code that checks ZeroMQ requests.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import msgspec
@@ -26,8 +27,9 @@ class _Body(msgspec.Struct, frozen=True, kw_only=True):
 
     model: str | None = None
     max_tokens: int | None = None
+    # Sampling fields left out (None) take generation_config.json's default, else the API's.
     temperature: float | None = None  # None: OpenAI's default 1.0
-    top_p: float = 1.0
+    top_p: float | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -38,9 +40,9 @@ class _Body(msgspec.Struct, frozen=True, kw_only=True):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions (vLLM's names)
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
@@ -66,10 +68,12 @@ class ChatBody(_Body, frozen=True, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # extension (vLLM)
+    continue_final_message: bool = False  # extension (vLLM)
+    documents: list[dict[str, Any]] | None = None  # extension (vLLM): for RAG templates
     chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM)
 
 
-def decode_body(raw: bytes, body_type: type[CompletionBody] | type[ChatBody]) -> tuple[Any, dict[str, Any]]:
+def decode_body(raw: bytes, body_type: type[msgspec.Struct]) -> tuple[Any, dict[str, Any]]:
     """Parse a JSON body into `body_type`; returns (typed body, the plain JSON object)."""
     try:
         obj = msgspec.json.decode(raw)
@@ -93,8 +97,9 @@ def decode_body(raw: bytes, body_type: type[CompletionBody] | type[ChatBody]) ->
             param = text[len(missing) :].split("`", 1)[0]
         raise ApiError(400, f"invalid request: {text}", param=param, code="invalid_type") from None
     # Checked before anything sized by n is built: a huge n must be a 400, not an allocation.
-    if not 1 <= body.n <= MAX_SAMPLES:
-        raise ApiError(400, f"n must be in [1, {MAX_SAMPLES}], got {body.n}", param="n")
+    n = getattr(body, "n", 1)
+    if not 1 <= n <= MAX_SAMPLES:
+        raise ApiError(400, f"n must be in [1, {MAX_SAMPLES}], got {n}", param="n")
     return body, obj
 
 
@@ -109,19 +114,36 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-def sampling_of(body: _Body, max_tokens: int | None, logprobs: bool) -> SamplingParams:
-    """The SamplingParams a body asks for (ranges are checked later, with ZeroMQ requests')."""
+# The API's default for a sampling field a body leaves out, when generation_config.json has none.
+_API_DEFAULTS: dict[str, float | int] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
+def sampling_of(
+    body: _Body, max_tokens: int | None, logprobs: bool, defaults: Mapping[str, float | int] | None = None
+) -> SamplingParams:
+    """The SamplingParams a body asks for (ranges are checked later, with ZeroMQ requests'); a
+    sampling field it leaves out takes `defaults` (generation_config.json's), else the API's."""
+    chosen = {**_API_DEFAULTS, **(defaults or {})}
+    for name in _API_DEFAULTS:
+        if (value := getattr(body, name)) is not None:
+            chosen[name] = value
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
+        temperature=float(chosen["temperature"]),
+        top_p=float(chosen["top_p"]),
+        top_k=int(chosen["top_k"]),
+        min_p=float(chosen["min_p"]),
         seed=body.seed,
         stop=_stops(body.stop),
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
-        repetition_penalty=body.repetition_penalty,
+        repetition_penalty=float(chosen["repetition_penalty"]),
         frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty,
         n=body.n,
@@ -186,10 +208,15 @@ def chat_messages(body: ChatBody) -> list[dict[str, Any]]:
         raise ApiError(400, "top_logprobs is not supported (only the chosen tokens' logprobs)", param="top_logprobs")
     if body.response_format is not None and body.response_format.get("type", "text") != "text":
         raise ApiError(400, "response_format other than text is not supported", param="response_format")
-    if not body.messages:
+    return chat_messages_of(body.messages)
+
+
+def chat_messages_of(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` as the template expects them: roles checked, text parts joined into strings."""
+    if not messages:
         raise ApiError(400, "messages must be non-empty", param="messages")
     out = []
-    for i, msg in enumerate(body.messages):
+    for i, msg in enumerate(messages):
         role = msg.get("role")
         if not isinstance(role, str) or not role:
             raise ApiError(400, f"messages[{i}].role must be a non-empty string", param="messages")

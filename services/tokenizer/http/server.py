@@ -1,10 +1,11 @@
 """The HTTP front door: OpenAI-compatible endpoints, /health and /metrics, on the tokenizer's loop.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], GET /health
-(200 only when every service is ready), GET /metrics (all services' metrics, one target).
+(200 only when every service is ready), GET /metrics (all services' metrics, one target),
+POST /tokenize, POST /detokenize, GET /version (vLLM's; tokenize_routes.py); CORS in cors.py.
 Every generation goes through the front door's own request path (`FrontDoor.open_stream`), so
 HTTP and ZeroMQ clients behave the same; a client that disconnects aborts its request.
-Errors use OpenAI's shape. With an API key set, /v1/* requires `Authorization: Bearer <key>`;
+Errors use OpenAI's shape. With an API key set, /v1/* and the tokenize routes require `Authorization: Bearer <key>`;
 /health and /metrics stay open (probes and scrapers carry no key).
 """
 
@@ -27,6 +28,7 @@ from himamba.common.messages import ErrorReply, GenerateChunk, GenerateRequest
 from himamba.common.metrics import HTTP_RESPONSES
 from himamba.common.metrics_report import ServiceMetrics
 from himamba.common.types import Usage, combined_usage
+from himamba.services.tokenizer.generation_defaults import SamplingDefaults
 from himamba.services.tokenizer.http.bodies import (
     ChatBody,
     CompletionBody,
@@ -36,17 +38,25 @@ from himamba.services.tokenizer.http.bodies import (
     decode_body,
     sampling_of,
 )
-from himamba.services.tokenizer.http.chat_template import ChatTemplate, TemplateError
+from himamba.services.tokenizer.http.chat_template import ChatTemplate
 from himamba.services.tokenizer.http.connections import (
     ConnectionGuard,
     MalformedRequestFilter,
     connection_cap,
     read_body,
 )
+from himamba.services.tokenizer.http.cors import Cors
 from himamba.services.tokenizer.http.errors import ApiError, param_of_message
 from himamba.services.tokenizer.http.responses import Kind, ResponseBuilder
+from himamba.services.tokenizer.http.tokenize_routes import (
+    DetokenizeBody,
+    TokenizeBody,
+    detokenize,
+    render_chat,
+    tokenize,
+    version,
+)
 from himamba.services.tokenizer.local_clients import ReplyStream
-from himamba.services.tokenizer.prepare import MAX_CHARS_PER_TOKEN
 from himamba.services.tokenizer.peers import Readiness
 
 _ROUTES = {
@@ -55,7 +65,12 @@ _ROUTES = {
     "/v1/models": "models",
     "/health": "health",
     "/metrics": "metrics",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+    "/version": "version",
 }
+# Besides /v1/*, the routes that need the API key (when there is one).
+_KEYED = frozenset({"/tokenize", "/detokenize", "/version"})
 _KNOWN_STATUS = {400, 404, 409, 500, 503}
 _BYTES_PER_CONTEXT_TOKEN = 64  # body size limit: generous for text or JSON token ids of a full context
 _SHUTDOWN_TIMEOUT_S = 2.0
@@ -70,6 +85,7 @@ class FrontDoor(Protocol):
     max_context_len: int
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None
+    sampling_defaults: SamplingDefaults
     metrics: ServiceMetrics
 
     def readiness(self) -> Readiness: ...
@@ -129,6 +145,10 @@ class HttpServer:
         self.app.router.add_get("/v1/models/{model}", self.model)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/metrics", self.metrics)
+        self.app.router.add_post("/tokenize", self.tokenize)
+        self.app.router.add_post("/detokenize", self.detokenize)
+        self.app.router.add_get("/version", self.version)
+        Cors(cfg.allowed_origins).install(self.app)
         self._runner: web.AppRunner | None = None
         self.port = cfg.port
         self.guard = ConnectionGuard(connection_cap(cfg.max_connections), cfg.request_timeout_s, log)
@@ -172,7 +192,7 @@ class HttpServer:
         route = _ROUTES.get(request.path, "models" if request.path.startswith("/v1/models/") else "other")
         self.guard.request_started(request.protocol)
         try:
-            if request.path.startswith("/v1/"):
+            if request.path.startswith("/v1/") or request.path in _KEYED:
                 self._check_api_key(request)
             response = await handler(request)
         except ApiError as e:
@@ -236,6 +256,20 @@ class HttpServer:
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
         )
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body, _ = decode_body(await read_body(request, self.cfg.body_timeout_s), TokenizeBody)
+        self._check_model(body.model)
+        door = self.door
+        return _json(tokenize(body, door.chat_template, door.tokenizer, door.max_context_len))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body, _ = decode_body(await read_body(request, self.cfg.body_timeout_s), DetokenizeBody)
+        self._check_model(body.model)
+        return _json(detokenize(body, self.door.tokenizer, self.door.tokenizer.get_vocab_size(with_added_tokens=True)))
+
+    async def version(self, request: web.Request) -> web.Response:
+        return _json(version())
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.door.model_name:
             raise ApiError(404, f"The model `{model}` does not exist", param="model", code="model_not_found")
@@ -252,7 +286,7 @@ class HttpServer:
             rid=response_id,
             prompt=prompt.text,
             input_ids=prompt.token_ids,
-            sampling=sampling_of(body, body.max_tokens, logprobs),
+            sampling=sampling_of(body, body.max_tokens, logprobs, self.door.sampling_defaults.values()),
             stream=body.stream,
         )
         builder = self._builder("completion", response_id, body.return_token_ids, logprobs, prompt.token_ids, body.n)
@@ -263,25 +297,16 @@ class HttpServer:
         body, _ = decode_body(await read_body(request, self.cfg.body_timeout_s), ChatBody)
         self._check_model(body.model)
         messages = chat_messages(body)
-        template = self.door.chat_template
-        if template is None:
-            raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
-        try:
-            text = template.render(
-                messages,
-                add_generation_prompt=body.add_generation_prompt,
-                tools=body.tools,
-                extra=body.chat_template_kwargs,
-            )
-        except TemplateError as e:
-            raise ApiError(400, str(e), param="messages") from None
-        if len(text) > MAX_CHARS_PER_TOKEN * self.door.max_context_len:  # checked before tokenizing
-            raise ApiError(
-                400,
-                f"messages render to {len(text)} characters: more than max_context_len {self.door.max_context_len} "
-                f"tokens can hold ({MAX_CHARS_PER_TOKEN} characters per token at most)",
-                param="messages",
-            )
+        text = render_chat(
+            self.door.chat_template,
+            self.door.max_context_len,
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            tools=body.tools,
+            documents=body.documents,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
         # The template writes the special tokens itself (as HF's apply_chat_template does).
         input_ids = self.door.tokenizer.encode(text, add_special_tokens=False).ids
         if not input_ids:
@@ -291,7 +316,7 @@ class HttpServer:
         req = GenerateRequest(
             rid=response_id,
             input_ids=input_ids,
-            sampling=sampling_of(body, max_tokens, body.logprobs),
+            sampling=sampling_of(body, max_tokens, body.logprobs, self.door.sampling_defaults.values()),
             stream=body.stream,
         )
         builder = self._builder("chat", response_id, body.return_token_ids, body.logprobs, input_ids, body.n)
