@@ -23,7 +23,12 @@ def pick_batch(running: list[Req], chunk_budget: int, last_mode: str | None) -> 
     prefill: list[Req] = []
     decode: list[Req] = []
     for r in running:
-        (decode if r.remaining == 1 and r.computed_len > 0 else prefill).append(r)
+        # `remaining == 1`, inlined: this runs for every running request every step.
+        computed = r.computed_len
+        if computed > 0 and len(r.prompt_ids) + len(r.output_ids) - computed == 1:
+            decode.append(r)
+        else:
+            prefill.append(r)
     if not prefill and not decode:
         return None
     use_prefill = bool(prefill) and (not decode or last_mode != "prefill")

@@ -328,6 +328,8 @@ class SchedulerService(Actor[ToScheduler]):
         if ops:
             await self._flush()  # a round trip before the batch: the tokens do not wait for it
             self._on_applied(await self.cache.step(self.cache.take_pending() + ops, self.requests))
+        elif plan.mode == "decode":
+            return plan  # the common step: decode_needs found every page there (it asks otherwise)
         extra = 1 if plan.mode == "decode" else 0
         short = [q for q, _ in plan.items if len(q.pages) * self.page_size < q.computed_len + extra]
         if short:
@@ -359,8 +361,11 @@ class SchedulerService(Actor[ToScheduler]):
 
     async def _send_batch(self, plan: BatchPlan) -> Reply[BatchDone]:
         caps: dict[str, list[captures.Capture]] = {}
+        decode, interval = plan.mode == "decode", self.interval
         for req, n in plan.items:
-            found = captures.captures_for(req, plan.mode, n, self.strategy, self.interval, self.page_size)
+            if decode and not req.pending_captures and (req.computed_len + 1) % interval:
+                continue  # captures_for's common case, without the call (256 of them a step)
+            found = captures.captures_for(req, plan.mode, n, self.strategy, interval, self.page_size)
             if found:
                 caps[req.rid] = found
         batch_id = self.trips.next_id()
@@ -379,41 +384,44 @@ class SchedulerService(Actor[ToScheduler]):
                     self._finish(req, "error", outs, error=done.error)
             return
         now = time.monotonic()
+        in_flight, seq_errors, logprobs = self._in_flight, done.seq_errors, done.logprobs
+        max_context_len = self.cfg.model.max_context_len
         for i, (req, n) in enumerate(plan.items):
             if req.status != "running":
                 continue
             req.state_init = "keep"
             req.computed_len += n
-            done_caps = self._in_flight.get(req.rid)
-            if done_caps:
-                for op in captures.commit(req, done_caps, self.strategy):
-                    self.cache.queue(op)
+            if in_flight:
+                done_caps = in_flight.get(req.rid)
+                if done_caps:
+                    for op in captures.commit(req, done_caps, self.strategy):
+                        self.cache.queue(op)
             if req.abort_requested:
                 self._finish(req, "abort", outs)
                 continue
-            if req.computed_len < req.context_len:
+            if req.computed_len < len(req.prompt_ids) + len(req.output_ids):
                 continue  # a prefill chunk that did not reach the end: no token yet
-            if i in done.seq_errors:  # this sequence alone failed (sampling): its batch-mates go on
-                self._finish(req, "error", outs, error=done.seq_errors[i])
+            if seq_errors and i in seq_errors:  # this sequence alone failed (sampling): its batch-mates go on
+                self._finish(req, "error", outs, error=seq_errors[i])
                 continue
             token = done.next_tokens[i]
             req.output_ids.append(token)
-            if done.logprobs is not None:
-                req.logprobs.append(done.logprobs[i])
+            if logprobs is not None:
+                req.logprobs.append(logprobs[i])
             if req.first_token_time is None:
                 req.first_token_time = now
                 if req.siblings:
                     self.cache.memory_changed()  # its siblings may now be admitted
-            reason = check_stop(req, self.cfg.model.max_context_len)
+            reason = check_stop(req, max_context_len)
             outs.append(
                 TokenOut(
                     rid=req.rid,
                     token_ids=[token],
-                    logprobs=[done.logprobs[i]] if done.logprobs is not None else None,
+                    logprobs=None if logprobs is None else [logprobs[i]],
                     finish_reason=reason,
                     prompt_tokens=len(req.prompt_ids),
                     completion_tokens=len(req.output_ids),
-                    cached=self._cached_once(req),
+                    cached=None if req.cached_reported else self._cached_once(req),
                 )
             )
             if reason is not None:

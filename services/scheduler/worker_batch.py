@@ -16,22 +16,15 @@ from himamba.services.scheduler.captures import Capture
 from himamba.services.scheduler.request import Req
 
 
-def _seq_plan(req: Req, n: int, caps: list[Capture], pages: list[int]) -> SeqPlan:
-    """One sequence's plan; appends its page-table delta to `pages` and marks it sent."""
+_NO_CAPTURES: list[tuple[int, int]] = []  # shared by every plan without captures (never mutated)
+
+
+def _reset_plan(req: Req, n: int, caps: list[Capture], pages: list[int]) -> SeqPlan:
+    """A request's first step after an admission: its whole page table and sampling state."""
     start = req.computed_len
-    reset = req.table_reset
-    num_pages = len(req.pages)
-    page_start = 0 if reset else min(req.pages_sent, req.pages_dirty)
-    if page_start < num_pages:
-        pages.extend(req.pages[page_start:])
-        req.pages_sent = num_pages
-        req.pages_dirty = 1 << 62
-    if not reset:  # the common step: positional, nothing but what changed
-        return SeqPlan(
-            req.rid, start, n, req.slots[0], req.state_init, req.state_src,
-            [(c.pos - start, c.slot) for c in caps] if caps else [], len(req.output_ids), False,
-            page_start, num_pages - page_start,
-        )  # fmt: skip
+    pages.extend(req.pages)
+    req.pages_sent = len(req.pages)
+    req.pages_dirty = _CLEAN
     req.table_reset = False
     return SeqPlan(
         rid=req.rid,
@@ -44,11 +37,14 @@ def _seq_plan(req: Req, n: int, caps: list[Capture], pages: list[int]) -> SeqPla
         step=len(req.output_ids),
         reset=True,
         page_start=0,
-        num_new_pages=num_pages,
+        num_new_pages=len(req.pages),
         sampling=req.sampling,
         history=req.tokens(0, start) if req.sampling.penalised else [],
         num_prompt=len(req.prompt_ids),
     )
+
+
+_CLEAN = 1 << 62  # `pages_dirty` when no sent page was re-pointed
 
 
 def build_run_batch(
@@ -62,13 +58,32 @@ def build_run_batch(
     seqs: list[SeqPlan] = []
     ids: list[int] = []
     pages: list[int] = []
-    no_caps: list[Capture] = []
+    # One pass, inlined: at 256 running requests this loop is most of a decode step's serial
+    # scheduler time, so the common case (one token, no reset, no capture) makes no calls.
     for req, n in plan.items:
-        if n == 1 and req.computed_len >= len(req.prompt_ids):
-            ids.append(req.output_ids[req.computed_len - len(req.prompt_ids)])  # decode: one token
+        start = req.computed_len
+        num_prompt = len(req.prompt_ids)
+        if n == 1 and start >= num_prompt:
+            ids.append(req.output_ids[start - num_prompt])  # decode: one token
         else:
-            ids.extend(req.tokens(req.computed_len, n))
-        seqs.append(_seq_plan(req, n, captures.get(req.rid, no_caps), pages))
+            ids.extend(req.tokens(start, n))
+        caps = captures.get(req.rid) if captures else None
+        if req.table_reset:
+            seqs.append(_reset_plan(req, n, caps or [], pages))
+            continue
+        page_start = min(req.pages_sent, req.pages_dirty)
+        num_pages = len(req.pages)
+        if page_start < num_pages:
+            pages.extend(req.pages[page_start:])
+            req.pages_sent = num_pages
+            req.pages_dirty = _CLEAN
+        seqs.append(
+            SeqPlan(
+                req.rid, start, n, req.slots[0], req.state_init, req.state_src,
+                [(c.pos - start, c.slot) for c in caps] if caps else _NO_CAPTURES, len(req.output_ids), False,
+                page_start, num_pages - page_start,
+            )  # fmt: skip
+        )
     ids_f, pages_f = IntsFrame(ids), IntsFrame(pages)
     msg = RunBatch(
         batch_id=batch_id,
