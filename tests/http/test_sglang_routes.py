@@ -1,0 +1,136 @@
+"""sglang's native routes (/generate, /server_info, /model_info, ...) against a TokenizerService
+with a fake scheduler: sglang's shapes, refusals that name the field, the API key on every route
+but /health and /metrics, and no secret in /server_info."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from typing import Any
+
+from himamba.common.config import Config
+from himamba.services.tokenizer.http.sglang_routes import public_config
+
+Harness = Any  # tests/http/conftest.py's Harness (conftest modules are not importable)
+
+
+def _sse(h: Harness, body: dict[str, Any]) -> list[Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", h.port, timeout=30)
+    try:
+        conn.request("POST", "/generate", json.dumps(body), {"Authorization": f"Bearer {h.api_key}"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert resp.getheader("Content-Type", "").startswith("text/event-stream")
+        raw = resp.read().decode()
+    finally:
+        conn.close()
+    events = []
+    for part in raw.split("\n\n"):
+        if part.strip():
+            assert part.startswith("data: "), part
+            payload = part[len("data: ") :]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def test_generate_answers_in_sglangs_shape(harness: Harness):
+    r = harness.post("/generate", {"text": "def f(x):", "sampling_params": {"max_new_tokens": 64, "temperature": 0}})
+    assert r.status == 200, r.body
+    out = r.json()
+    assert out["text"] == harness.reply_text
+    assert harness.tokenizer.decode(out["output_ids"]) == harness.reply_text
+    meta = out["meta_info"]
+    n_prompt = len(harness.tokenizer.encode("def f(x):").ids)
+    assert meta["prompt_tokens"] == n_prompt and meta["completion_tokens"] == len(out["output_ids"])
+    assert meta["finish_reason"] == {"type": "length", "length": len(out["output_ids"])}
+    assert meta["cached_tokens"] == harness.cached.total
+    assert meta["cached_tokens_by_tier"] == {"device": 3, "host": 2, "storage": 1}
+    assert isinstance(meta["id"], str) and meta["e2e_latency"] >= 0
+
+    # Token ids in, a rid of the client's, the chosen tokens' logprobs, n > 1 as a list.
+    ids = harness.tokenizer.encode("token ids").ids
+    body = {"input_ids": ids, "rid": "mine", "return_logprob": True, "sampling_params": {"max_new_tokens": 2, "n": 2}}
+    outs = harness.post("/generate", body).json()
+    assert [o["index"] for o in outs] == [0, 1]
+    for o in outs:
+        assert o["meta_info"]["id"] == "mine" and o["meta_info"]["prompt_tokens"] == len(ids)
+        assert [t for _, t, _ in o["meta_info"]["output_token_logprobs"]] == o["output_ids"]
+        assert len(o["output_ids"]) == 2
+
+
+def test_generate_streams_cumulative_text_then_done(harness: Harness):
+    events = _sse(harness, {"text": ["stream me"], "stream": True, "sampling_params": {"max_new_tokens": 64}})
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len(chunks) >= 2
+    texts = [c["text"] for c in chunks]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))  # cumulative, as sglang's
+    assert texts[-1] == harness.reply_text
+    assert [c["meta_info"]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert chunks[-1]["meta_info"]["cached_tokens"] == harness.cached.total
+
+
+def test_generate_refuses_what_it_cannot_honour_naming_the_field(harness: Harness):
+    cases = [
+        ({"text": "x", "sampling_params": {"json_schema": "{}"}}, "json_schema"),
+        ({"text": "x", "lora_path": "a"}, "lora_path"),
+        ({"text": "x", "sampling_params": {"min_new_tokens": 3}}, "min_new_tokens"),
+        ({"text": "x", "sampling_params": {"skip_special_tokens": False}}, "skip_special_tokens"),
+        ({"text": "x", "top_logprobs_num": 2}, "top_logprobs_num"),
+        ({"text": ["a", "b"]}, "text"),
+        ({"input_ids": [[1], [2]]}, "input_ids"),
+        ({}, "text"),
+        ({"text": "x", "input_ids": [1]}, "text"),
+        ({"text": "x", "sampling_params": {"temperature": -1}}, "temperature"),
+        ({"text": "x", "sampling_params": {"max_new_tokens": "many"}}, "max_new_tokens"),
+    ]
+    for body, param in cases:
+        r = harness.post("/generate", body)
+        assert r.status == 400, (body, r.body)
+        assert r.json()["error"]["param"] == param, (body, r.json())
+    assert harness.post("/generate", raw=b"{nope").status == 400
+    assert harness.post("/generate", {"text": "still serving"}).status == 200
+
+
+def test_server_and_model_info_for_the_gateway(harness: Harness):
+    for path in ("/server_info", "/get_server_info"):
+        info = harness.get(path).json()
+        # What sglang-router reads to register a worker.
+        assert info["served_model_name"] == harness.model_name
+        assert info["model_path"] == str(harness.model_dir)
+        assert info["tp_size"] == 1 and info["dp_size"] == 1
+        assert info["config"]["http"]["api_key"] == "<redacted>"
+        assert harness.api_key not in json.dumps(info)
+    for path in ("/model_info", "/get_model_info"):
+        m = harness.get(path).json()
+        assert m["model_path"] == str(harness.model_dir) and m["is_generation"] is True
+
+
+def test_server_info_shows_no_store_password():
+    cfg = Config()
+    cfg = type(cfg)(
+        http=type(cfg.http)(api_key="k3y"),
+        cache=type(cfg.cache)(hicache_storage_backend="redis", hicache_storage_url="redis://me:s3cret@10.0.0.5:6379/0"),
+    )
+    text = json.dumps(public_config(cfg))
+    assert "s3cret" not in text and "k3y" not in text
+    assert public_config(cfg)["cache"]["hicache_storage_url"] == "redis://me:<redacted>@10.0.0.5:6379/0"
+
+
+def test_every_route_but_health_and_metrics_needs_the_key(harness: Harness):
+    from himamba.services.tokenizer.http.server import _OPEN_ROUTES, _ROUTES
+
+    assert set(_OPEN_ROUTES) == {"/health", "/metrics"}
+    paths = [p for p in _ROUTES if p not in _OPEN_ROUTES] + ["/v1/models/x", "/nowhere"]
+    for path in paths:
+        for method in ("GET", "POST"):
+            r = harness.request(method, path, {"text": "x"} if method == "POST" else None, key=None)
+            assert r.status == 401, (method, path, r.status)
+            r = harness.request(method, path, key="wrong")
+            assert r.status == 401, (method, path, r.status)
+    assert harness.get("/health", key=None).status in (200, 503)
+    assert harness.get("/metrics", key=None).status == 200
+    # /health_generate with the key: 503 naming what it waits for while the peers are not ready.
+    r = harness.get("/health_generate")
+    assert r.status in (200, 503)
