@@ -84,12 +84,21 @@ def test_generate_refuses_what_it_cannot_honour_naming_the_field(harness: Harnes
         ({"text": "x", "input_ids": [1]}, "text"),
         ({"text": "x", "sampling_params": {"temperature": -1}}, "temperature"),
         ({"text": "x", "sampling_params": {"max_new_tokens": "many"}}, "max_new_tokens"),
+        ({"text": "x", "return_hidden_states": True}, "return_hidden_states"),
     ]
     for body, param in cases:
         r = harness.post("/generate", body)
         assert r.status == 400, (body, r.body)
         assert r.json()["error"]["param"] == param, (body, r.json())
     assert harness.post("/generate", raw=b"{nope").status == 400
+    assert harness.post("/generate", {"text": "x", "model": "other"}).status == 404
+    # What sglang-router 0.3.2 forwards: sglang's fields at their defaults, accepted.
+    routed = {
+        "text": "hello world", "model": None, "sampling_params": {"max_new_tokens": 4},
+        "return_text_in_logprobs": False, "stream": False, "log_metrics": True, "return_hidden_states": False,
+        "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False,
+    }  # fmt: skip
+    assert harness.post("/generate", routed).status == 200
     assert harness.post("/generate", {"text": "still serving"}).status == 200
 
 

@@ -104,10 +104,26 @@ class GenerateBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    # sglang-router 0.3 sends these at their defaults in every /generate body it forwards.
+    model: str | None = None
     return_text_in_logprobs: bool = False
+    log_metrics: bool = True
+    no_logs: bool = False  # either way: the server logs no request content
+    return_hidden_states: bool = False
+    background: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False
 
 
 # Accepted only at the value that means "what himamba does anyway".
+_ONLY_BODY = {
+    "return_text_in_logprobs": (False, "return_text_in_logprobs is not supported (must be false)"),
+    "log_metrics": (True, "log_metrics: every request counts in the metrics (must be true)"),
+    "return_hidden_states": (False, "return_hidden_states is not supported (must be false)"),
+    "background": (False, "background is not supported (must be false)"),
+    "return_bytes": (False, "return_bytes is not supported (must be false)"),
+    "return_entropy": (False, "return_entropy is not supported (must be false)"),
+}
 _ONLY = {
     "min_new_tokens": (0, "min_new_tokens is not supported (must be 0)"),
     "skip_special_tokens": (True, "skip_special_tokens: special tokens are always skipped (must be true)"),
@@ -156,6 +172,9 @@ def _prompt(body: GenerateBody) -> tuple[str | None, list[int] | None]:
 
 
 def _sampling(body: GenerateBody) -> SamplingParams:
+    for name, (allowed, message) in _ONLY_BODY.items():
+        if getattr(body, name) != allowed:
+            raise ApiError(400, message, param=name)
     sp = body.sampling_params
     for name, (allowed, message) in _ONLY.items():
         if getattr(sp, name) != allowed:
@@ -393,6 +412,8 @@ class SglangRoutes:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = _decode(await read_body(request, self.door.cfg.http.body_timeout_s))
+        if body.model is not None and body.model != self.door.model_name:
+            raise ApiError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
         text, input_ids = _prompt(body)
         sampling = _sampling(body)
         rid = body.rid or uuid.uuid4().hex
