@@ -73,5 +73,5 @@ def flushed(ctrl: CacheController) -> tuple[CacheController, Flushed]:
         if tier is not None:
             # What the store acknowledged is still there (it is not flushed): no need to write it again.
             tier.stored, tier.stored_states, tier.counters = old.stored, old.stored_states, old.counters
-            tier._reconnects_seen = old._reconnects_seen  # noqa: SLF001 - the same store connection
+            tier._reconnects_seen = old._reconnects_seen
     return new, freed

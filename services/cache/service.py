@@ -16,9 +16,9 @@ from himamba.common.host_pool import HostPools, open_host_pools
 from himamba.common.messages import (
     Admit,
     Admitted,
+    CacheFlushed,
     CacheReset,
     CacheStep,
-    CacheFlushed,
     CacheStepDone,
     FlushCache,
     GetCacheStats,

@@ -31,10 +31,10 @@ from tokenizers import Tokenizer
 from himamba.common.config import Config
 from himamba.common.messages import (
     AbortGenerate,
-    CacheFlushed,
     AbortRequest,
     AddRequest,
     MAX_RID_CHARS,
+    CacheFlushed,
     ClientRequest,
     ErrorReply,
     GenerateChunk,

@@ -5,6 +5,7 @@ but /health and /metrics, and no secret in /server_info."""
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 from typing import Any
 
@@ -64,7 +65,7 @@ def test_generate_streams_cumulative_text_then_done(harness: Harness):
     chunks = events[:-1]
     assert len(chunks) >= 2
     texts = [c["text"] for c in chunks]
-    assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))  # cumulative, as sglang's
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))  # cumulative, as sglang's
     assert texts[-1] == harness.reply_text
     assert [c["meta_info"]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"

@@ -53,7 +53,7 @@ def test_systemd_template_unit():
     assert re.search(
         r"^ExecStart=/opt/himamba/venv/bin/himamba service %i --config \S+ --hicache-storage-dir %C/himamba/storage$",
         unit,
-        re.M,
+        re.MULTILINE,
     )
     assert "Environment=PYTHONSAFEPATH=1" in unit
     settings = dict(
@@ -64,8 +64,8 @@ def test_systemd_template_unit():
     assert settings["StateDirectory"] == "himamba" and settings["CacheDirectory"] == "himamba"
     assert int(settings["LimitNOFILE"]) >= 65536
     sysusers = (ROOT / "configs" / "systemd" / "himamba.sysusers.conf").read_text()
-    assert re.search(r"^u\s+himamba\s+-\s", sysusers, re.M)  # creates the static User=
-    assert re.search(r"^Restart=(always|on-failure)$", unit, re.M)
+    assert re.search(r"^u\s+himamba\s+-\s", sysusers, re.MULTILINE)  # creates the static User=
+    assert re.search(r"^Restart=(always|on-failure)$", unit, re.MULTILINE)
     assert "KillSignal=SIGTERM" in unit
     target = (ROOT / "configs" / "systemd" / "himamba.target").read_text()
     for name in SERVICES:

@@ -54,7 +54,7 @@ pytestmark = pytest.mark.skipif(
 def readme_fleet_block() -> list[str]:
     """The commands of the README's ```bash fleet block, `\\` continuations joined."""
     text = (ROOT / "README.md").read_text()
-    m = re.search(r"^```bash fleet\n(.*?)^```", text, re.M | re.S)
+    m = re.search(r"^```bash fleet\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
     assert m, "README.md has no ```bash fleet block"
     lines = m.group(1).replace("\\\n", " ").splitlines()
     return [" ".join(line.split()) for line in lines if line.strip()]
@@ -196,7 +196,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     try:
         _run_block(f)
         # The router registers both servers (health, /server_info, /model_info), then serves.
-        _wait("the router lists the model", lambda: f.ok(f.port(30000), "GET", "/v1/models")["data"], 60, f, ("router",))
+        _wait(
+            "the router lists the model", lambda: f.ok(f.port(30000), "GET", "/v1/models")["data"], 60, f, ("router",)
+        )
         yield f
     finally:
         for proc in reversed(list(f.procs.values())):
@@ -209,7 +211,9 @@ def _chat(fleet: Fleet, messages: list[dict[str, str]]) -> dict[str, Any]:
 
 
 def _served_chats(fleet: Fleet) -> list[float]:
-    return [fleet.metric(p, "himamba_http_responses_total", route="chat_completions", status="2xx") for p in fleet.servers]
+    return [
+        fleet.metric(p, "himamba_http_responses_total", route="chat_completions", status="2xx") for p in fleet.servers
+    ]
 
 
 def _turn(fleet: Fleet, conv: list[dict[str, str]], text: str) -> tuple[dict[str, Any], int]:
@@ -227,8 +231,8 @@ def _turn(fleet: Fleet, conv: list[dict[str, str]], text: str) -> tuple[dict[str
 STORY = ("Tell me a long story about a lighthouse keeper on a rocky island, the storms of the northern sea, "
          "the ships that pass at night and the letters she writes to her brother in the city.")  # fmt: skip
 # Two conversations that share no prefix: cache_aware places a new one on the least loaded cache.
-OPENINGS = (STORY, "Explain, step by step and with worked examples, how a compiler turns source code into "
-            "machine instructions: lexing, parsing, type checking, optimisation passes and register allocation.")  # fmt: skip
+OPENINGS = (STORY, ("Explain, step by step and with worked examples, how a compiler turns source code into "
+            "machine instructions: lexing, parsing, type checking, optimisation passes and register allocation."))  # fmt: skip
 
 
 @dataclass
@@ -277,6 +281,7 @@ def conversations(fleet: Fleet) -> Conversations:
     convs[1].append({"role": "user", "content": OPENINGS[1]})
     convs[1].append({"role": "assistant", "content": _chat(fleet, convs[1])["choices"][0]["message"]["content"]})
     first.finish()
+
     def both_counted() -> list[float] | None:
         now = _served_chats(fleet)
         return now if sum(now) == sum(before) + 2 else None
@@ -408,7 +413,12 @@ def test_a_killed_server_is_routed_around(fleet: Fleet, conversations: Conversat
     thread = threading.Thread(target=running)
     thread.start()
     victim_port = fleet.servers[victim_index]
-    _wait("the long request running", lambda: fleet.metric(victim_port, "himamba_scheduler_running_requests") > 0, 30, fleet)
+    _wait(
+        "the long request running",
+        lambda: fleet.metric(victim_port, "himamba_scheduler_running_requests") > 0,
+        30,
+        fleet,
+    )
     group = _process_group(victim.pid)
     os.killpg(victim.pid, signal.SIGKILL)  # the whole server, as a lost host
     victim.wait()
@@ -424,5 +434,7 @@ def test_a_killed_server_is_routed_around(fleet: Fleet, conversations: Conversat
         out = _chat(fleet, conv)
         conv.append({"role": "assistant", "content": out["choices"][0]["message"]["content"]})
         assert out["usage"]["completion_tokens"] == 8
-        assert fleet.metric(survivor, "himamba_http_responses_total", route="chat_completions", status="2xx") == served + 1
+        assert (
+            fleet.metric(survivor, "himamba_http_responses_total", route="chat_completions", status="2xx") == served + 1
+        )
     assert outcome and outcome[0] in (200, 500, 502, 503, -1), outcome

@@ -180,9 +180,13 @@ def _sampling(body: GenerateBody) -> SamplingParams:
         if getattr(sp, name) != allowed:
             raise ApiError(400, message, param=name)
     if body.top_logprobs_num:
-        raise ApiError(400, "top_logprobs_num is not supported (only the chosen tokens' logprobs)", param="top_logprobs_num")
+        raise ApiError(
+            400, "top_logprobs_num is not supported (only the chosen tokens' logprobs)", param="top_logprobs_num"
+        )
     if body.logprob_start_len != -1:
-        raise ApiError(400, "prompt logprobs are not supported: logprob_start_len must be -1", param="logprob_start_len")
+        raise ApiError(
+            400, "prompt logprobs are not supported: logprob_start_len must be -1", param="logprob_start_len"
+        )
     if sp.top_k < -1:
         raise ApiError(400, f"top_k must be -1 (off) or >= 0, got {sp.top_k}", param="top_k")
     stop = [] if sp.stop is None else [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
