@@ -134,6 +134,7 @@ class TokenizerService(Actor[ToTokenizer]):
         self._scheduler: Outbox | None = None
         self._worker: Outbox | None = None
         self._flusher: CacheFlusher | None = None
+        self.worker_info: WorkerInfo | None = None
         self._clients: ClientSocket | None = None
         self._decoder: Decoder[Any] = Decoder(ClientRequest)
         self._encoder = msgspec.msgpack.Encoder()
@@ -299,6 +300,7 @@ class TokenizerService(Actor[ToTokenizer]):
                 for out in outs:
                     await self._on_token_out(out)
             case WorkerInfo():
+                self.worker_info = msg  # the pools' sizes, for /server_info
                 self._vocab_size = msg.vocab_size
                 if not self._eos_token_ids:
                     self._eos_token_ids = list(msg.eos_token_ids)

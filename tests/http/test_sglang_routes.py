@@ -144,3 +144,22 @@ def test_every_route_but_health_and_metrics_needs_the_key(harness: Harness):
     # /health_generate with the key: 503 naming what it waits for while the peers are not ready.
     r = harness.get("/health_generate")
     assert r.status in (200, 503)
+
+
+def test_openai_bodies_as_sglang_router_forwards_them(harness: Harness):
+    """sglang-router 0.3.2 rewrites OpenAI bodies with sglang's extension fields at their defaults
+    (captured from a live router): a fleet breaks if these are refused."""
+    chat = {
+        "messages": [{"role": "user", "content": "Tell"}], "model": harness.model_name, "logprobs": False,
+        "max_completion_tokens": 3, "stream": False, "no_stop_trim": False, "ignore_eos": False,
+        "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
+        "stream_reasoning": True, "return_hidden_states": False,
+    }  # fmt: skip
+    r = harness.post("/v1/chat/completions", chat)
+    assert r.status == 200, r.body
+    completion = {
+        "model": harness.model_name, "prompt": "Tell", "max_tokens": 3, "stream": False, "echo": False,
+        "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True, "return_hidden_states": False,
+    }  # fmt: skip
+    r = harness.post("/v1/completions", completion)
+    assert r.status == 200, r.body

@@ -309,6 +309,7 @@ def test_the_router_discovers_the_model_and_needs_the_key(fleet: Fleet):
     for port in fleet.servers:
         info = fleet.ok(port, "GET", "/server_info")
         assert info["served_model_name"] == fleet.model_dir.name and info["model_path"] == str(fleet.model_dir)
+        assert info["max_total_tokens"] == 4096 and info["max_mamba_cache_size"] == 32  # the pools as sized
         text = json.dumps(info)
         assert KEY not in text and REDIS_PASSWORD not in text  # no secret, yet the store is named
         assert info["config"]["cache"]["hicache_storage_url"].startswith("redis://:<redacted>@127.0.0.1:")

@@ -33,7 +33,7 @@ from aiohttp import web
 from tokenizers import Tokenizer
 
 from himamba.common.config import Config, to_toml_dict
-from himamba.common.messages import CacheFlushed, ErrorReply, GenerateChunk, GenerateRequest
+from himamba.common.messages import CacheFlushed, ErrorReply, GenerateChunk, GenerateRequest, WorkerInfo
 from himamba.common.types import SamplingParams, Usage
 from himamba.services.tokenizer.http.connections import read_body
 from himamba.services.tokenizer.http.errors import ApiError, param_of_message
@@ -60,6 +60,7 @@ class SglangDoor(Protocol):
     cfg: Config
     model_name: str
     tokenizer: Tokenizer
+    worker_info: WorkerInfo | None  # the pools' sizes, once the worker said them
 
     def readiness(self) -> Readiness: ...
 
@@ -350,8 +351,13 @@ class SglangRoutes:
             "hicache_storage_backend": c.hicache_storage_backend,
             "config": public_config(cfg),
         }
-        if c.max_total_tokens:
-            info["max_total_tokens"] = c.max_total_tokens
+        w = self.door.worker_info
+        if w is not None:  # the pools as sized (sglang's names where it has one)
+            info["max_total_tokens"] = w.num_pages * c.page_size
+            info["max_mamba_cache_size"] = w.num_state_slots
+            info["hicache_tokens"] = w.num_host_pages * c.page_size
+            info["hicache_mamba_slots"] = w.num_host_state_slots
+            info["random_weights"] = w.random_weights
         return _json(info)
 
     async def model_info(self, request: web.Request) -> web.Response:
