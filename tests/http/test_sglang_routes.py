@@ -163,3 +163,46 @@ def test_openai_bodies_as_sglang_router_forwards_them(harness: Harness):
     }  # fmt: skip
     r = harness.post("/v1/completions", completion)
     assert r.status == 200, r.body
+
+
+def test_flush_cache_answers_what_the_cache_controller_says(harness: Harness):
+    """/flush_cache asks the cache controller (here a fake bound on its inbox): a flush refused
+    because copies are in flight is asked again, one refused because requests hold the cache is a
+    409 naming why, a done one is a 200 with what was freed."""
+    import threading
+
+    import msgspec
+    import zmq
+
+    from himamba.common.messages import CacheFlushed, FlushCache, ToCache
+
+    answers = [
+        CacheFlushed(flush_id=0, ok=False, busy=True, error="2 device<->host copies in flight"),
+        CacheFlushed(flush_id=0, ok=True, device_pages=7, device_states=2, host_pages=9, host_states=3),
+        CacheFlushed(flush_id=0, ok=False, error="1 request(s) hold cache memory; flush when the server is idle"),
+    ]
+    asked: list[FlushCache] = []
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.bind(harness.cfg.endpoints.cache_ipc)
+
+    def fake_cache() -> None:
+        for answer in answers:
+            msg = msgspec.msgpack.decode(inbox.recv(), type=ToCache)
+            assert isinstance(msg, FlushCache) and msg.reply_to == harness.cfg.endpoints.tokenizer_ipc
+            asked.append(msg)
+            harness.peers.send(msgspec.structs.replace(answer, flush_id=msg.flush_id))
+
+    thread = threading.Thread(target=fake_cache, daemon=True)
+    thread.start()
+    try:
+        r = harness.post("/flush_cache")
+        assert r.status == 200, r.body
+        freed = {"device_pages": 7, "device_states": 2, "host_pages": 9, "host_states": 3}
+        assert r.json() == {"message": "Cache flushed.", "freed": freed}
+        r = harness.post("/flush_cache")
+        assert r.status == 409 and "1 request(s) hold cache memory" in r.json()["error"]["message"]
+        thread.join(timeout=10)
+        assert len(asked) == 3 and len({m.flush_id for m in asked}) == 3
+    finally:
+        ctx.destroy(linger=0)
