@@ -248,7 +248,7 @@ class _StreamedChat:
     def __init__(self, fleet: Fleet, conv: list[dict[str, str]], text: str):
         conv.append({"role": "user", "content": text})
         self.conv = conv
-        body = {"model": fleet.model_dir.name, "messages": conv, "max_tokens": 48, "ignore_eos": True,
+        body = {"model": fleet.model_dir.name, "messages": conv, "max_tokens": 160, "ignore_eos": True,
                 "temperature": 0, "stream": True}  # fmt: skip
         self.conn = http.client.HTTPConnection("127.0.0.1", fleet.port(30000), timeout=120)
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
