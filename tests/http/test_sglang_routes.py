@@ -206,3 +206,27 @@ def test_flush_cache_answers_what_the_cache_controller_says(harness: Harness):
         assert len(asked) == 3 and len({m.flush_id for m in asked}) == 3
     finally:
         ctx.destroy(linger=0)
+
+
+def test_generate_sampling_left_out_takes_the_defaults(harness: Harness):
+    """sampling_params a request leaves out take the checkpoint's generation_config.json values
+    (this checkpoint has none: sglang's own), those it sets win; top_k -1 is no top-k."""
+    from himamba.common.messages import AddRequest
+
+    ids = harness.tokenizer.encode("defaults please").ids
+    assert harness.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}).status == 200
+    add = harness.scheduler.wait_for(lambda m: isinstance(m, AddRequest) and m.input_ids == ids)
+    s = add.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty) == (1.0, 1.0, 0, 0.0, 1.0)
+    ids = harness.tokenizer.encode("mine please").ids
+    given = {
+        "max_new_tokens": 2,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": -1,
+        "min_p": 0.1,
+        "repetition_penalty": 1.2,
+    }
+    assert harness.post("/generate", {"input_ids": ids, "sampling_params": given}).status == 200
+    s = harness.scheduler.wait_for(lambda m: isinstance(m, AddRequest) and m.input_ids == ids).sampling
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty) == (0.5, 0.9, 0, 0.1, 1.2)

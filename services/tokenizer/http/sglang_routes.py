@@ -24,6 +24,7 @@ import importlib.metadata
 import json
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
@@ -35,6 +36,7 @@ from tokenizers import Tokenizer
 from himamba.common.config import Config, to_toml_dict
 from himamba.common.messages import CacheFlushed, ErrorReply, GenerateChunk, GenerateRequest, WorkerInfo
 from himamba.common.types import SamplingParams, Usage
+from himamba.services.tokenizer.generation_defaults import SamplingDefaults
 from himamba.services.tokenizer.http.connections import read_body
 from himamba.services.tokenizer.http.errors import ApiError, param_of_message
 from himamba.services.tokenizer.local_clients import ReplyStream
@@ -61,6 +63,7 @@ class SglangDoor(Protocol):
     model_name: str
     tokenizer: Tokenizer
     worker_info: WorkerInfo | None  # the pools' sizes, once the worker said them
+    sampling_defaults: SamplingDefaults  # generation_config.json's, for fields a request leaves out
 
     def readiness(self) -> Readiness: ...
 
@@ -75,14 +78,15 @@ class SglangDoor(Protocol):
 class SamplingBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """sglang's `sampling_params` (its names and defaults); the ones we cannot honour are refused."""
 
-    max_new_tokens: int | None = None  # None: the server's --default-max-tokens (sglang: 128)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 (sglang) or 0: no top-k
-    min_p: float = 0.0
+    max_new_tokens: int | None = None  # None: as an OpenAI request that leaves out max_tokens
+    # None (left out): the checkpoint's generation_config.json value, else sglang's default (_API_DEFAULTS).
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # -1 (sglang) or 0: no top-k
+    min_p: float | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -115,6 +119,15 @@ class GenerateBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     return_bytes: bool = False
     return_entropy: bool = False
 
+
+# sglang's defaults for the sampling fields a generation_config.json may recommend.
+_API_DEFAULTS: dict[str, float | int] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
 
 # Accepted only at the value that means "what himamba does anyway".
 _ONLY_BODY = {
@@ -172,7 +185,9 @@ def _prompt(body: GenerateBody) -> tuple[str | None, list[int] | None]:
     return None, list(ids)
 
 
-def _sampling(body: GenerateBody) -> SamplingParams:
+def _sampling(body: GenerateBody, defaults: Mapping[str, float | int]) -> SamplingParams:
+    """The request's sampling; a field it leaves out takes `defaults` (generation_config.json's),
+    else sglang's own."""
     for name, (allowed, message) in _ONLY_BODY.items():
         if getattr(body, name) != allowed:
             raise ApiError(400, message, param=name)
@@ -188,20 +203,23 @@ def _sampling(body: GenerateBody) -> SamplingParams:
         raise ApiError(
             400, "prompt logprobs are not supported: logprob_start_len must be -1", param="logprob_start_len"
         )
-    if sp.top_k < -1:
+    if sp.top_k is not None and sp.top_k < -1:
         raise ApiError(400, f"top_k must be -1 (off) or >= 0, got {sp.top_k}", param="top_k")
+    chosen = {**_API_DEFAULTS, **defaults}
+    given = {f: v for f in _API_DEFAULTS if (v := getattr(sp, f)) is not None}
+    values: dict[str, Any] = {**chosen, **given}
     stop = [] if sp.stop is None else [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
     return SamplingParams(
         max_tokens=sp.max_new_tokens,
-        temperature=sp.temperature,
-        top_p=sp.top_p,
-        top_k=max(sp.top_k, 0),
-        min_p=sp.min_p,
+        temperature=float(values["temperature"]),
+        top_p=float(values["top_p"]),
+        top_k=max(int(values["top_k"]), 0),
+        min_p=float(values["min_p"]),
         seed=sp.sampling_seed,
         stop=stop,
         stop_token_ids=list(sp.stop_token_ids or []),
         ignore_eos=sp.ignore_eos,
-        repetition_penalty=sp.repetition_penalty,
+        repetition_penalty=float(values["repetition_penalty"]),
         frequency_penalty=sp.frequency_penalty,
         presence_penalty=sp.presence_penalty,
         n=sp.n,
@@ -425,7 +443,7 @@ class SglangRoutes:
         if body.model is not None and body.model != self.door.model_name:
             raise ApiError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
         text, input_ids = _prompt(body)
-        sampling = _sampling(body)
+        sampling = _sampling(body, self.door.sampling_defaults.values())
         rid = body.rid or uuid.uuid4().hex
         req = GenerateRequest(rid=rid[:256], prompt=text, input_ids=input_ids, sampling=sampling, stream=body.stream)
         started = time.monotonic()
