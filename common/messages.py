@@ -452,6 +452,30 @@ class CacheStats(Message):
     invariants_error: str = ""
 
 
+class FlushCache(Message):
+    """Empty this server's device and host tiers of cached prefixes (sglang's /flush_cache), sent to
+    the cache controller. As in sglang, only an idle cache is flushed: no request holds cache memory,
+    no copy or storage job is in flight; the storage tier keeps its entries (other servers may share
+    it). The answer, a `CacheFlushed`, goes to `reply_to`."""
+
+    flush_id: int
+    reply_to: str
+
+
+class CacheFlushed(Message):
+    """The outcome of a FlushCache: what was freed, or why nothing was (`busy`: only copies or
+    storage jobs were in flight, so the same flush will succeed shortly)."""
+
+    flush_id: int
+    ok: bool
+    error: str = ""
+    busy: bool = False
+    device_pages: int = 0  # cached pages and states that were freed
+    device_states: int = 0
+    host_pages: int = 0
+    host_states: int = 0
+
+
 # ---------------------------------------------------------------- control (services -> launcher)
 
 
@@ -498,10 +522,10 @@ class MetricsReport(Message):
 
 # ---------------------------------------------------------------- one union per inbox
 
-ToTokenizer = Union[TokenBatch, WorkerInfo, Ready, MetricsReport, Shutdown]
+ToTokenizer = Union[TokenBatch, WorkerInfo, Ready, MetricsReport, CacheFlushed, Shutdown]
 ToScheduler = Union[
     AddRequest, AbortRequest, StopRequest, BatchDone, CacheStepDone, PrefetchDone, CacheReset, WorkerInfo, Shutdown
 ]
 ToWorker = Union[RunBatch, ResetState, Hello, Shutdown]
-ToCache = Union[CacheStep, TransfersDone, WorkerInfo, GetCacheStats, Hello, Shutdown]
+ToCache = Union[CacheStep, TransfersDone, WorkerInfo, GetCacheStats, FlushCache, Hello, Shutdown]
 ToLauncher = Union[Ready, Fatal]

@@ -16,9 +16,11 @@ from himamba.common.host_pool import HostPools, open_host_pools
 from himamba.common.messages import (
     Admit,
     Admitted,
+    CacheFlushed,
     CacheReset,
     CacheStep,
     CacheStepDone,
+    FlushCache,
     GetCacheStats,
     Hello,
     PrefetchDone,
@@ -52,6 +54,7 @@ from himamba.common.metrics_report import MetricsReporter, ServiceMetrics
 from himamba.common.transport import Outbox
 from himamba.services.actor import Actor
 from himamba.services.cache.controller import CacheController, HostCopyCounts
+from himamba.services.cache.flush import flush_refusal, flushed
 from himamba.services.cache.keys import model_fingerprint
 from himamba.services.cache.storage.factory import open_configured_backend
 from himamba.services.cache.storage.flaky import FlakyBackend
@@ -377,6 +380,10 @@ class CacheService(Actor[ToCache]):
                 out = Outbox(self.ctx, reply_to)
                 await out.send(stats)
                 out.close()
+            case FlushCache(flush_id=flush_id, reply_to=reply_to):
+                out = Outbox(self.ctx, reply_to)
+                await out.send(self._flush(flush_id))
+                out.close()
             case WorkerInfo():
                 await self._on_worker_info(msg)
             case Hello(service="scheduler", pid=pid):
@@ -385,6 +392,20 @@ class CacheService(Actor[ToCache]):
                 self.log.warning("hello from %r: nothing to do", service)
             case Shutdown():
                 pass
+
+    def _flush(self, flush_id: int) -> CacheFlushed:
+        """sglang's /flush_cache: an idle controller becomes an empty one (see flush.py)."""
+        assert self.ctrl is not None
+        refusal = flush_refusal(self.ctrl)
+        if refusal is not None:
+            return CacheFlushed(flush_id=flush_id, ok=False, error=refusal.reason, busy=refusal.busy)
+        self.ctrl, freed = flushed(self.ctrl)
+        self.log.info(
+            "cache flushed: %d device pages, %d device states, %d host pages, %d host states freed",
+            *freed,
+        )
+        return CacheFlushed(flush_id=flush_id, ok=True, **freed._asdict())
+
 
 
 def _fields(s: Any) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from himamba.common.messages import (
     AbortRequest,
     AddRequest,
     MAX_RID_CHARS,
+    CacheFlushed,
     ClientRequest,
     ErrorReply,
     GenerateChunk,
@@ -53,6 +54,7 @@ from himamba.common.transport import Outbox
 from himamba.common.types import FinishReason, Usage
 from himamba.common.wire import Decoder, WireError
 from himamba.services.actor import Actor
+from himamba.services.tokenizer.cache_flush import CacheFlusher
 from himamba.services.tokenizer.client_socket import (
     ClientGone,
     ClientMessage,
@@ -131,6 +133,8 @@ class TokenizerService(Actor[ToTokenizer]):
         self._eos_token_ids: list[int] = []
         self._scheduler: Outbox | None = None
         self._worker: Outbox | None = None
+        self._flusher: CacheFlusher | None = None
+        self.worker_info: WorkerInfo | None = None
         self._clients: ClientSocket | None = None
         self._decoder: Decoder[Any] = Decoder(ClientRequest)
         self._encoder = msgspec.msgpack.Encoder()
@@ -155,6 +159,7 @@ class TokenizerService(Actor[ToTokenizer]):
         # A worker that is already up sent its WorkerInfo (model vocab, eos) to an earlier front door.
         self._worker = Outbox(self.ctx, self.cfg.endpoints.worker_ipc)
         await self._worker.send(Hello(service=self.name, pid=os.getpid()))
+        self._flusher = CacheFlusher(Outbox(self.ctx, self.cfg.endpoints.cache_ipc), self.cfg.endpoints.tokenizer_ipc)
         max_bytes = CLIENT_BYTES_PER_CONTEXT_TOKEN * self.cfg.model.max_context_len + (1 << 20)
         ep = self.cfg.endpoints
         curve = CurveServer(ep.curve_secret_key_file, ep.curve_clients_dir) if ep.curve_secret_key_file else None
@@ -247,6 +252,8 @@ class TokenizerService(Actor[ToTokenizer]):
             self._scheduler.close()
         if self._worker is not None:
             self._worker.close()
+        if self._flusher is not None:
+            self._flusher.close()
 
     # ------------------------------------------------------------ what the HTTP server uses
 
@@ -268,6 +275,12 @@ class TokenizerService(Actor[ToTokenizer]):
         parts = [build_info_text(self.cfg), self._reporter.render(), *self.peers.reports(time.monotonic())]
         return merge_expositions(parts, self.model_name)
 
+    async def flush_cache(self) -> CacheFlushed:
+        """/flush_cache: the cache controller empties the device and host tiers if it is idle
+        (cache_flush.py); TimeoutError when it does not answer."""
+        assert self._flusher is not None
+        return await self._flusher.flush()
+
     async def open_stream(self, req: GenerateRequest) -> ReplyStream:
         """Submit `req` as a new in-process client; its replies arrive on the returned stream."""
         identity, queue = self.local.open()
@@ -287,6 +300,7 @@ class TokenizerService(Actor[ToTokenizer]):
                 for out in outs:
                     await self._on_token_out(out)
             case WorkerInfo():
+                self.worker_info = msg  # the pools' sizes, for /server_info
                 self._vocab_size = msg.vocab_size
                 if not self._eos_token_ids:
                     self._eos_token_ids = list(msg.eos_token_ids)
@@ -294,6 +308,9 @@ class TokenizerService(Actor[ToTokenizer]):
             case Ready(service=service, pid=pid):
                 self._note_peer(service, "Ready")
                 await self._note_pid(service, pid)
+            case CacheFlushed():
+                if self._flusher is not None:
+                    self._flusher.on_flushed(msg)
             case MetricsReport(service=service, text=text, pid=pid):
                 await self._note_pid(service, pid)
                 if service in PEERS:

@@ -3,6 +3,7 @@ serve; the worker is killed, supervisord restarts it, and the server serves agai
 
 from __future__ import annotations
 
+import getpass
 import http.client
 import json
 import os
@@ -40,6 +41,7 @@ class Supervised:
     log_dir: Path
     env: dict[str, str]
     endpoints: dict[str, str]
+    venv: Path
 
     def ctl(self, *args: str) -> str:
         cmd = [sys.executable, "-m", "supervisor.supervisorctl", "-c", str(self.conf), *args]
@@ -96,19 +98,38 @@ class Supervised:
                 time.sleep(0.5)
 
 
-def _template(tmp: Path, config_path: Path) -> Path:
-    """configs/supervisord.conf with its paths moved into `tmp`, and the worker left for the
-    test to start last (everything else as shipped)."""
+def venv_prefix(tmp: Path, force_new: bool = False) -> Path:
+    """A virtualenv with himamba installed: the one these tests run in, or (when they run in a
+    system Python, or `force_new`) a new one made in `tmp` that installs this checkout."""
+    if sys.prefix != sys.base_prefix and not force_new:
+        return Path(sys.prefix)
+    venv = tmp / "venv"
+    # --system-site-packages: the dependencies are those of this interpreter (no download).
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "-e", str(ROOT)],
+        check=True, timeout=600, env=dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1"),
+    )  # fmt: skip
+    return venv
+
+
+def _template(tmp: Path, config_path: Path, venv: Path) -> Path:
+    """configs/supervisord.conf substituted as its comments and the README say: this virtualenv
+    for /opt/himamba/venv, this user for `himamba`, and the directories moved into `tmp`; the
+    worker left for the test to start last (everything else as shipped)."""
     text = (ROOT / "configs" / "supervisord.conf").read_text()
     head, sep, rest = text.partition("[program:worker]\n")
     assert sep and "autostart=true\n" in rest
     text = head + sep + rest.replace("autostart=true\n", "autostart=false\n", 1)
+    assert text.count("command=/opt/himamba/venv/bin/himamba service ") == 4 and text.count("user=himamba\n") == 4
+    text = text.replace("/opt/himamba/venv", str(venv)).replace("user=himamba\n", f"user={getpass.getuser()}\n")
     text = text.replace("/etc/himamba/himamba.toml", str(config_path))
-    text = text.replace("/run/himamba/", f"{tmp}/run/").replace("/var/log/himamba", f"{tmp}/log")
+    for d, name in (("/run/himamba", "run"), ("/var/log/himamba", "log"), ("/var/lib/himamba", "home"),
+                    ("/var/cache/himamba", "cache")):  # fmt: skip
+        text = text.replace(d, f"{tmp}/{name}")
+        (tmp / name).mkdir(mode=0o700)
     settings = "\n".join(line for line in text.splitlines() if not line.startswith(";"))
-    assert "/etc/" not in settings and "/var/" not in settings and "/run/" not in settings.replace(f"{tmp}/run/", "")
-    (tmp / "run").mkdir()
-    (tmp / "log").mkdir()
+    assert "/etc/" not in settings and "/var/" not in settings and "/opt/" not in settings
     conf = tmp / "supervisord.conf"
     conf.write_text(text)
     return conf
@@ -122,20 +143,25 @@ def supervised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervised]
     model = make_checkpoint("nemotron_h", tmp / "model", preset="tiny", seed=0)
     tag = uuid.uuid4().hex[:12]
     port = _free_port()
-    # The services find each other in the instance's private runtime directory.
-    endpoint_map = instance_endpoints(f"t-{tag}", str(tmp / "rt"))
-    endpoints = f'instance = "t-{tag}"\nruntime_dir = "{tmp / "rt"}"'
+    # The services find each other in the instance's private directory under RUNTIME_DIRECTORY,
+    # which the shipped config sets (here: tmp/run).
+    endpoint_map = instance_endpoints(f"t-{tag}", str(tmp / "run"))
+    endpoints = f'instance = "t-{tag}"'
     config_path = tmp / "himamba.toml"
     config_path.write_text(
         f'[model]\nmodel = "{model}"\ntorch_threads = 1\n\n[endpoints]\n{endpoints}\n\n'
         f"[http]\nport = {port}\n\n[metrics]\nreport_interval_s = 0.5\n"
     )
-    conf = _template(tmp, config_path)
-    # supervisord finds `himamba` on PATH: the one installed beside this interpreter.
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    venv = venv_prefix(tmp)
+    conf = _template(tmp, config_path, venv)
+    # The venv is not on PATH (the usual case): the shipped config names its himamba by path.
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p and not p.startswith(str(venv)))
+    assert str(venv / "bin") not in path.split(os.pathsep)
+    env = dict(os.environ, PATH=path)
+    env.pop("VIRTUAL_ENV", None)
     cmd = [sys.executable, "-m", "supervisor.supervisord", "-n", "-c", str(conf)]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    sv = Supervised(proc, conf, port, tmp / "log", env, endpoint_map)
+    sv = Supervised(proc, conf, port, tmp / "log", env, endpoint_map, venv)
     try:
         yield sv
     finally:
@@ -165,6 +191,10 @@ def test_services_wait_for_a_late_worker_then_serve_and_survive_its_kill(supervi
     assert "dtype float32 (--dtype auto on cpu" in supervised.log("worker")  # what auto came to, said once
     for name in SERVICES:
         assert supervised.pid(name) > 0, supervised.ctl("status")
+        # Started from the virtualenv (its interpreter runs the console script), not from PATH.
+        argv = Path(f"/proc/{supervised.pid(name)}/cmdline").read_bytes().split(b"\0")
+        venv = str(supervised.venv)
+        assert argv[0].decode().startswith(venv) and argv[1].decode() == f"{venv}/bin/himamba", argv
 
     old = supervised.pid("worker")
     os.kill(old, signal.SIGKILL)

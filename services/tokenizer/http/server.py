@@ -5,8 +5,9 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}
 POST /tokenize, POST /detokenize, GET /version (vLLM's; tokenize_routes.py); CORS in cors.py.
 Every generation goes through the front door's own request path (`FrontDoor.open_stream`), so
 HTTP and ZeroMQ clients behave the same; a client that disconnects aborts its request.
-Errors use OpenAI's shape. With an API key set, /v1/* and the tokenize routes require `Authorization: Bearer <key>`;
-/health and /metrics stay open (probes and scrapers carry no key).
+Errors use OpenAI's shape. With an API key set, every route requires `Authorization: Bearer <key>`
+except /health and /metrics (probes and scrapers carry no key). sglang's native routes
+(/generate, /server_info, /flush_cache, ...) are in sglang_routes.py.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ from himamba.services.tokenizer.http.tokenize_routes import (
     tokenize,
     version,
 )
+from himamba.services.tokenizer.http.sglang_routes import ROUTES as SGLANG_ROUTES
+from himamba.services.tokenizer.http.sglang_routes import SglangRoutes
 from himamba.services.tokenizer.local_clients import ReplyStream
 from himamba.services.tokenizer.peers import Readiness
 
@@ -68,9 +71,10 @@ _ROUTES = {
     "/tokenize": "tokenize",
     "/detokenize": "detokenize",
     "/version": "version",
+    **SGLANG_ROUTES,  # sglang's native routes (sglang_routes.py)
 }
-# Besides /v1/*, the routes that need the API key (when there is one).
-_KEYED = frozenset({"/tokenize", "/detokenize", "/version"})
+# Open without the API key: probes and scrapers carry none.
+_OPEN_ROUTES = ("/health", "/metrics")
 _KNOWN_STATUS = {400, 404, 409, 500, 503}
 _BYTES_PER_CONTEXT_TOKEN = 64  # body size limit: generous for text or JSON token ids of a full context
 _SHUTDOWN_TIMEOUT_S = 2.0
@@ -149,6 +153,7 @@ class HttpServer:
         self.app.router.add_post("/detokenize", self.detokenize)
         self.app.router.add_get("/version", self.version)
         Cors(cfg.allowed_origins).install(self.app)
+        SglangRoutes(door).add_routes(self.app.router)  # type: ignore[arg-type]  # door is the TokenizerService
         self._runner: web.AppRunner | None = None
         self.port = cfg.port
         self.guard = ConnectionGuard(connection_cap(cfg.max_connections), cfg.request_timeout_s, log)
@@ -192,7 +197,7 @@ class HttpServer:
         route = _ROUTES.get(request.path, "models" if request.path.startswith("/v1/models/") else "other")
         self.guard.request_started(request.protocol)
         try:
-            if request.path.startswith("/v1/") or request.path in _KEYED:
+            if request.path not in _OPEN_ROUTES:
                 self._check_api_key(request)
             response = await handler(request)
         except ApiError as e:
