@@ -56,7 +56,7 @@ from himamba.common.metrics_report import MetricsReporter, ServiceMetrics
 from himamba.common.transport import Outbox
 from himamba.common.types import CachedTokens, FinishReason
 from himamba.services.actor import Actor
-from himamba.services.scheduler import captures, mamba_track
+from himamba.services.scheduler import captures, logprobs, mamba_track
 from himamba.services.scheduler.batching import BatchPlan, pick_batch
 from himamba.services.scheduler.cache_client import Applied, CacheClient
 from himamba.services.scheduler.peers import Peers
@@ -388,6 +388,8 @@ class SchedulerService(Actor[ToScheduler]):
             if done_caps:
                 for op in captures.commit(req, done_caps, self.strategy):
                     self.cache.queue(op)
+            if i in done.prompt_logprobs:
+                logprobs.absorb_prompt(req, done.prompt_logprobs[i])
             if req.abort_requested:
                 self._finish(req, "abort", outs)
                 continue
@@ -396,10 +398,13 @@ class SchedulerService(Actor[ToScheduler]):
             if i in done.seq_errors:  # this sequence alone failed (sampling): its batch-mates go on
                 self._finish(req, "error", outs, error=done.seq_errors[i])
                 continue
+            if error := logprobs.prompt_logprobs_error(req):
+                self.log.error("%s: prompt logprobs: %d of %d positions", req.rid, len(req.prompt_logprobs), len(req.prompt_ids) - 1)
+                self._finish(req, "error", outs, error=error)
+                continue
             token = done.next_tokens[i]
             req.output_ids.append(token)
-            if done.logprobs is not None:
-                req.logprobs.append(done.logprobs[i])
+            token_lp, top_lp = logprobs.token_logprobs(req, done, i)
             if req.first_token_time is None:
                 req.first_token_time = now
                 if req.siblings:
@@ -409,11 +414,13 @@ class SchedulerService(Actor[ToScheduler]):
                 TokenOut(
                     rid=req.rid,
                     token_ids=[token],
-                    logprobs=[done.logprobs[i]] if done.logprobs is not None else None,
+                    logprobs=token_lp,
                     finish_reason=reason,
                     prompt_tokens=len(req.prompt_ids),
                     completion_tokens=len(req.output_ids),
                     cached=self._cached_once(req),
+                    top_logprobs=top_lp,
+                    prompt_logprobs=logprobs.first_prompt_logprobs(req),
                 )
             )
             if reason is not None:
