@@ -14,6 +14,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
+from himamba.common.client import Client
 from tests.e2e.prompts import random_tokens
 from tests.live_server import LiveServer, start_live_server
 
@@ -148,6 +149,15 @@ def test_echo_prompt_logprobs_equal_transformers_and_ignore_the_cache(live: Live
         best = sorted((v for v in entry.values() if v["rank"] <= 2), key=lambda v: v["rank"])
         assert [v["rank"] for v in best] == [1, 2]
         assert [v["logprob"] for v in best] == pytest.approx(torch.topk(want[p - 1], 2).values.tolist(), abs=TOL)
+
+    # The ZeroMQ client gets the same numbers (GenerateChunk.prompt_logprobs / top_logprobs).
+    with Client(live.endpoint, timeout_s=120) as c:
+        out = c.generate(input_ids=prompt, max_tokens=2, logprobs=True, top_logprobs=3, prompt_logprobs=1)
+    assert out.prompt_logprobs is not None and out.top_logprobs is not None
+    assert [e.logprob for e in out.prompt_logprobs] == lp["token_logprobs"][1 : len(prompt)]
+    best_ids = [int(max(d, key=d.get)) for d in lp["top_logprobs_by_id"][1 : len(prompt)]]
+    assert [e.top_ids[0] for e in out.prompt_logprobs] == best_ids
+    assert [len(e.top_ids) for e in out.top_logprobs] == [3, 3] and out.logprobs == [e.logprob for e in out.top_logprobs]
 
 
 def test_echo_streams_the_prompt_first_and_serves_every_sample(live: LiveServer):
