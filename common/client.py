@@ -25,7 +25,9 @@ Client -> server (`ClientRequest`):
   `temperature` (0 = greedy), `top_p`, `top_k` (0 = off), `min_p`, `seed`, `stop` ([str]),
   `stop_token_ids` ([int]), `ignore_eos`, `repetition_penalty`, `frequency_penalty`,
   `presence_penalty`, `n` (samples of the prompt, 1 to 16; sample i uses `seed` + i when a seed
-  is given), `logprobs` (bool). `api_key` (str): required when the server was started with
+  is given), `logprobs` (bool), `top_logprobs` (int: alternatives per generated token, with
+  `logprobs`), `prompt_logprobs` (int | nil: the prompt tokens' logprobs with that many
+  alternatives; such a request skips the prefix cache). `api_key` (str): required when the server was started with
   `--api-key` (the same key HTTP clients send as a Bearer token); a request without it is
   answered by an ErrorReply with code 401. `rid` is at most 256 characters. A tcp:// client
   endpoint is either CURVE-encrypted with an allow-list of client keys (`CurveKeys`) or marked
@@ -35,7 +37,7 @@ Client -> server (`ClientRequest`):
 Server -> client (`ClientReply`):
 
 - ``{"type": "GenerateChunk", "rid", "text", "token_ids", "finished", "finish_reason",
-  "usage", "logprobs", "prompt_token_ids", "index"}``: with `stream` true, one chunk per step
+  "usage", "logprobs", "prompt_token_ids", "index", "top_logprobs", "prompt_logprobs"}``: with `stream` true, one chunk per step
   carrying the *new* text and token ids; with `stream` false, one chunk with everything. The last
   chunk has `finished` true, `finish_reason` one of "stop" (eos, stop token or stop string; a
   stop string is not included in the text), "length", "abort", and `usage` =
@@ -44,7 +46,10 @@ Server -> client (`ClientReply`):
   the prompt was text. `index` says which sample (0 .. n-1) a chunk belongs to: with `n` > 1 the
   samples' chunks interleave and the request is over after one finished chunk per sample. Each
   sample's usage is its own (the siblings of sample 0 report the prompt tokens they found in
-  the cache); `combined_usage` in `common/types.py` counts the prompt once.
+  the cache); `combined_usage` in `common/types.py` counts the prompt once. `top_logprobs` (one
+  `[logprob, top_ids, top_logprobs, rank]` per token) and `prompt_logprobs` (the same, for prompt
+  tokens 1.., on the first chunk of sample 0) come when asked for; logprobs are the model's raw
+  log-softmax, before penalties and temperature.
 - ``{"type": "ErrorReply", "message": str, "rid": str, "code": int}``: the request was refused
   or failed (400 bad input, 401 missing or wrong api_key, 404 unknown rid, 409 rid in flight,
   500 server error, 503 shutting down). `rid` is "" when the payload could not be read at all. An error ends the whole request,
@@ -82,7 +87,14 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from himamba.common.runtime_dir import client_endpoint
-from himamba.common.messages import AbortGenerate, ClientReply, ErrorReply, GenerateChunk, GenerateRequest
+from himamba.common.messages import (
+    AbortGenerate,
+    ClientReply,
+    ErrorReply,
+    GenerateChunk,
+    GenerateRequest,
+    TokenLogprobs,
+)
 from himamba.common.types import FinishReason, SamplingParams, Usage
 
 _log = logging.getLogger("himamba.client")
@@ -111,6 +123,8 @@ class Completion(NamedTuple):
     prompt_token_ids: list[int] | None
     logprobs: list[float] | None = None
     index: int = 0
+    top_logprobs: list[TokenLogprobs] | None = None  # sampling.top_logprobs > 0: one per token
+    prompt_logprobs: list[TokenLogprobs] | None = None  # sampling.prompt_logprobs: prompt tokens 1..
 
 
 class GenerateOptions(TypedDict, total=False):
@@ -131,6 +145,8 @@ class GenerateOptions(TypedDict, total=False):
     frequency_penalty: float
     presence_penalty: float
     logprobs: bool
+    top_logprobs: int
+    prompt_logprobs: int | None
 
 
 def make_request(
@@ -153,6 +169,8 @@ def make_request(
     presence_penalty: float = 0.0,
     logprobs: bool = False,
     n: int = 1,
+    top_logprobs: int = 0,
+    prompt_logprobs: int | None = None,
 ) -> GenerateRequest:
     """Build a GenerateRequest (a fresh rid when none is given). Ranges are checked by the server."""
     if (prompt is None) == (input_ids is None):
@@ -174,6 +192,8 @@ def make_request(
         presence_penalty=presence_penalty,
         n=n,
         logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
     return GenerateRequest(
         rid=rid or uuid.uuid4().hex,
@@ -193,6 +213,8 @@ class CompletionBuilder:
         self._text: list[str] = []
         self._ids: list[int] = []
         self._logprobs: list[float] | None = None
+        self._top: list[TokenLogprobs] | None = None
+        self._prompt_logprobs: list[TokenLogprobs] | None = None
         self._prompt_ids: list[int] | None = None
         self._reason: FinishReason | None = None
         self._usage: Usage | None = None
@@ -202,6 +224,10 @@ class CompletionBuilder:
         self._ids.extend(chunk.token_ids)
         if chunk.logprobs is not None:
             self._logprobs = (self._logprobs or []) + list(chunk.logprobs)
+        if chunk.top_logprobs is not None:
+            self._top = (self._top or []) + list(chunk.top_logprobs)
+        if chunk.prompt_logprobs is not None:
+            self._prompt_logprobs = list(chunk.prompt_logprobs)
         if chunk.prompt_token_ids is not None:
             self._prompt_ids = list(chunk.prompt_token_ids)
         if chunk.finished:
@@ -218,6 +244,8 @@ class CompletionBuilder:
             self._prompt_ids,
             self._logprobs,
             self._index,
+            self._top,
+            self._prompt_logprobs,
         )
 
 

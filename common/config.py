@@ -99,6 +99,13 @@ class ModelConfig(_Section):
         ),
     ] = ""
     torch_threads: Annotated[NonNegInt, doc("Threads torch uses on CPU; 0: torch's default (all cores).")] = 0
+    max_logprobs: Annotated[
+        NonNegInt,
+        doc(
+            "The most alternatives a request may ask for per token: top_logprobs (chat), logprobs (completions), "
+            "prompt_logprobs. Logprobs are the model's raw log-softmax, before temperature and penalties."
+        ),
+    ] = 20
 
 
 class EndpointsConfig(_Section):

@@ -30,6 +30,23 @@ class TensorRef(msgspec.Struct, frozen=True, array_like=True):
     frame: int
 
 
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """One position's logprobs (the model's raw log-softmax): the token's own, and the `top`
+    most likely tokens there, by id, best first (ties: the lower id first), with theirs."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+    rank: int = 0  # the token's rank in the distribution (1: the most likely)
+
+
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """The logprobs of prompt tokens `start`, `start + 1`, ... (absolute positions, >= 1)."""
+
+    start: int
+    entries: list[TokenLogprobs]
+
+
 # ---------------------------------------------------------------- client <-> tokenizer (public)
 
 MAX_RID_CHARS = 256  # a client's request id: the front door keeps it for the request's life
@@ -66,6 +83,10 @@ class GenerateChunk(Message):
     logprobs: list[float] | None = None
     prompt_token_ids: list[int] | None = None  # on the first chunk when the prompt was text
     index: int = 0  # which sample (0 .. n-1) of the request this chunk belongs to
+    # sampling.top_logprobs > 0: each token's logprob with its alternatives (one per token_ids entry).
+    top_logprobs: list[TokenLogprobs] | None = None
+    # sampling.prompt_logprobs: prompt tokens 1.. (token 0 has none), on the first chunk of sample 0.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class ErrorReply(Message):
@@ -119,6 +140,8 @@ class TokenOut(Message, array_like=True):
     completion_tokens: int = 0
     cached: CachedTokens | None = None  # set once, on the first output of a request
     error: str = ""
+    top_logprobs: list[TokenLogprobs] | None = None  # sampling.top_logprobs > 0: one per token
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., with the first token
 
 
 class TokenBatch(Message):
@@ -198,7 +221,10 @@ class ResetState(Message):
 class BatchDone(Message):
     batch_id: int
     next_tokens: list[int]
-    logprobs: list[float] | None = None
+    # seq index -> its sampled token's logprobs (only sequences that asked for logprobs).
+    token_logprobs: dict[int, TokenLogprobs] = {}
+    # seq index -> logprobs of the prompt tokens this forward predicted (sampling.prompt_logprobs).
+    prompt_logprobs: dict[int, PromptLogprobs] = {}
     forward_s: float = 0.0
     logits: TensorRef | None = None  # [B, V] float32 when return_logits
     error: str = ""  # the whole batch failed

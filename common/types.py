@@ -16,6 +16,9 @@ MIN_TEMPERATURE = 1e-5
 # A penalty divides or multiplies logits: outside this range it overflows them the same way.
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 MAX_TOP_K = 2**31 - 1
+# The hard ceiling of alternatives per token (top_logprobs, prompt_logprobs); a server's
+# `--max-logprobs` (default 20) is what its front door allows.
+MAX_LOGPROBS = 1024
 # Stop strings are matched on every streamed token: their number and size are bounded so a
 # request cannot make the front door's per-token work large (matching is O(longest stop)).
 MAX_STOP_STRINGS = 64
@@ -53,6 +56,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     presence_penalty: float = 0.0
     n: int = 1  # samples of the same prompt; the siblings reuse the first one's prefill via the cache
     logprobs: bool = False
+    # With logprobs: the most likely alternatives of each sampled token, this many (by token id).
+    top_logprobs: int = 0
+    # The prompt tokens' logprobs (from the second token on), each with this many alternatives;
+    # None: not asked. Such a request skips the prefix cache: every prompt position is recomputed.
+    prompt_logprobs: int | None = None
     grammar: GrammarSpec | None = None  # structured outputs: the text must match it
 
     @property
@@ -100,6 +108,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError(f"stop_token_ids: at most {MAX_STOP_STRINGS} ids, got {len(self.stop_token_ids)}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be >= 0")
+        if not (0 <= self.top_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if self.grammar is not None:
             raise ValueError("grammar: structured outputs are not supported yet")
 

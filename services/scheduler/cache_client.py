@@ -147,7 +147,14 @@ class CacheClient:
             if reserve:
                 self._reserving[req.rid] = reserve
             ops.append(
-                Admit(rid=req.rid, tokens=req.context, num_slots=num_slots, use_cache=self.use_cache, reserve=reserve)
+                Admit(
+                    rid=req.rid,
+                    tokens=req.context,
+                    num_slots=num_slots,
+                    # Prompt logprobs need every prompt position's logits: no prefix-cache match.
+                    use_cache=self.use_cache and req.sampling.prompt_logprobs is None,
+                    reserve=reserve,
+                )
             )
         return ops
 

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+from himamba.common.messages import TokenLogprobs
 from himamba.common.types import CachedTokens, FinishReason, SamplingParams
 
 Status = Literal["waiting", "running", "finished"]
@@ -27,6 +28,10 @@ class Req:
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # sampling.prompt_logprobs (scheduler/logprobs.py): prompt positions 1.. as computed so far.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_gap: bool = False
+    prompt_logprobs_sent: bool = False
     status: Status = "waiting"
     finish_reason: FinishReason | None = None
     # Resources granted by the cache controller while running.

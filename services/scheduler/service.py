@@ -56,7 +56,7 @@ from himamba.common.metrics_report import MetricsReporter, ServiceMetrics
 from himamba.common.transport import Outbox
 from himamba.common.types import CachedTokens, FinishReason
 from himamba.services.actor import Actor
-from himamba.services.scheduler import captures, mamba_track
+from himamba.services.scheduler import captures, logprobs, mamba_track
 from himamba.services.scheduler.batching import BatchPlan, pick_batch
 from himamba.services.scheduler.cache_client import Applied, CacheClient
 from himamba.services.scheduler.peers import Peers
@@ -384,7 +384,8 @@ class SchedulerService(Actor[ToScheduler]):
                     self._finish(req, "error", outs, error=done.error)
             return
         now = time.monotonic()
-        in_flight, seq_errors, logprobs = self._in_flight, done.seq_errors, done.logprobs
+        in_flight, seq_errors = self._in_flight, done.seq_errors
+        token_lps, prompt_lps = done.token_logprobs, done.prompt_logprobs
         max_context_len = self.cfg.model.max_context_len
         for i, (req, n) in enumerate(plan.items):
             if req.status != "running":
@@ -396,6 +397,8 @@ class SchedulerService(Actor[ToScheduler]):
                 if done_caps:
                     for op in captures.commit(req, done_caps, self.strategy):
                         self.cache.queue(op)
+            if prompt_lps and i in prompt_lps:
+                logprobs.absorb_prompt(req, prompt_lps[i])
             if req.abort_requested:
                 self._finish(req, "abort", outs)
                 continue
@@ -404,10 +407,15 @@ class SchedulerService(Actor[ToScheduler]):
             if seq_errors and i in seq_errors:  # this sequence alone failed (sampling): its batch-mates go on
                 self._finish(req, "error", outs, error=seq_errors[i])
                 continue
+            wants_prompt = req.sampling.prompt_logprobs is not None
+            if wants_prompt and (error := logprobs.prompt_logprobs_error(req)):
+                held, wanted = len(req.prompt_logprobs), len(req.prompt_ids) - 1
+                self.log.error("%s: prompt logprobs: %d of %d positions", req.rid, held, wanted)
+                self._finish(req, "error", outs, error=error)
+                continue
             token = done.next_tokens[i]
             req.output_ids.append(token)
-            if logprobs is not None:
-                req.logprobs.append(logprobs[i])
+            token_lp, top_lp = logprobs.token_logprobs(req, done, i) if token_lps else (None, None)
             if req.first_token_time is None:
                 req.first_token_time = now
                 if req.siblings:
@@ -417,11 +425,13 @@ class SchedulerService(Actor[ToScheduler]):
                 TokenOut(
                     rid=req.rid,
                     token_ids=[token],
-                    logprobs=None if logprobs is None else [logprobs[i]],
+                    logprobs=token_lp,
                     finish_reason=reason,
                     prompt_tokens=len(req.prompt_ids),
                     completion_tokens=len(req.output_ids),
                     cached=None if req.cached_reported else self._cached_once(req),
+                    top_logprobs=top_lp,
+                    prompt_logprobs=logprobs.first_prompt_logprobs(req) if wants_prompt else None,
                 )
             )
             if reason is not None:

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from tokenizers import Tokenizer
 
-from himamba.common.messages import GenerateChunk, TokenOut
+from himamba.common.messages import GenerateChunk, TokenLogprobs, TokenOut
 from himamba.common.types import CachedTokens, FinishReason, Usage
 from himamba.services.tokenizer.detokenize import IncrementalDetokenizer
 from himamba.services.tokenizer.stop import StopMatcher
@@ -51,6 +51,8 @@ class RequestOutput:
         self._text: list[str] = []  # whole answer, for stream=False
         self._ids: list[int] = []
         self._logprobs: list[float] | None = None
+        self._top_logprobs: list[TokenLogprobs] | None = None  # whole answer, for stream=False
+        self._prompt_logprobs: list[TokenLogprobs] | None = None  # sent once, on the next chunk
 
     def on_token_out(self, out: TokenOut) -> OutputStep:
         """Absorb one scheduler output (its error field is the caller's business)."""
@@ -62,6 +64,10 @@ class RequestOutput:
         self._completion_tokens = max(out.completion_tokens, len(self._ids))
         if out.logprobs is not None:
             self._logprobs = (self._logprobs or []) + list(out.logprobs)
+        if out.top_logprobs is not None:
+            self._top_logprobs = (self._top_logprobs or []) + list(out.top_logprobs)
+        if out.prompt_logprobs is not None:
+            self._prompt_logprobs = list(out.prompt_logprobs)
 
         result = self._stop.feed(self._detok.add(out.token_ids))
         text = result.emit
@@ -81,19 +87,24 @@ class RequestOutput:
             return OutputStep(None, False, False)
         if not text and not out.token_ids:
             return OutputStep(None, False, False)
-        return OutputStep(self._chunk(text, out.token_ids, out.logprobs), False, False)
+        return OutputStep(self._chunk(text, out.token_ids, out.logprobs, out.top_logprobs), False, False)
 
     def finish(self, reason: FinishReason) -> GenerateChunk:
         """End the request now (client abort): release held text, build the final chunk."""
         tail = self._stop.feed(self._detok.flush())
         text = tail.emit + self._stop.flush()
-        return self._final_chunk(text, [], None, reason)
+        return self._final_chunk(text, [], None, None, reason)
 
     def _final(self, text: str, out: TokenOut, reason: FinishReason) -> GenerateChunk:
-        return self._final_chunk(text, out.token_ids, out.logprobs, reason)
+        return self._final_chunk(text, out.token_ids, out.logprobs, out.top_logprobs, reason)
 
     def _final_chunk(
-        self, text: str, new_ids: list[int], new_logprobs: list[float] | None, reason: FinishReason
+        self,
+        text: str,
+        new_ids: list[int],
+        new_logprobs: list[float] | None,
+        new_top: list[TokenLogprobs] | None,
+        reason: FinishReason,
     ) -> GenerateChunk:
         usage = Usage(
             prompt_tokens=self._prompt_len,
@@ -101,21 +112,25 @@ class RequestOutput:
             cached_tokens=self._cached,
         )
         if self._stream:
-            return self._chunk(text, new_ids, new_logprobs, finished=True, reason=reason, usage=usage)
+            return self._chunk(text, new_ids, new_logprobs, new_top, finished=True, reason=reason, usage=usage)
         self._text.append(text)
-        return self._chunk("".join(self._text), self._ids, self._logprobs, finished=True, reason=reason, usage=usage)
+        return self._chunk(
+            "".join(self._text), self._ids, self._logprobs, self._top_logprobs, finished=True, reason=reason, usage=usage
+        )
 
     def _chunk(
         self,
         text: str,
         ids: list[int],
         logprobs: list[float] | None,
+        top_logprobs: list[TokenLogprobs] | None = None,
         *,
         finished: bool = False,
         reason: FinishReason | None = None,
         usage: Usage | None = None,
     ) -> GenerateChunk:
         prompt_ids, self._prompt_token_ids = self._prompt_token_ids, None
+        prompt_lps, self._prompt_logprobs = self._prompt_logprobs, None
         return GenerateChunk(
             rid=self.client_rid,
             text=text,
@@ -126,4 +141,6 @@ class RequestOutput:
             logprobs=None if logprobs is None else list(logprobs),
             prompt_token_ids=prompt_ids,
             index=self.index,
+            top_logprobs=None if top_logprobs is None else list(top_logprobs),
+            prompt_logprobs=prompt_lps,
         )

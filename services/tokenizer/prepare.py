@@ -26,6 +26,7 @@ class RequestLimits(NamedTuple):
     vocab_size: int
     max_context_len: int
     default_max_tokens: int  # 0: up to the context length
+    max_logprobs: int = 20  # alternatives per token a request may ask for (--max-logprobs)
 
 
 def prepare_request(req: GenerateRequest, tokenizer: Tokenizer, limits: RequestLimits) -> PreparedRequest:
@@ -58,6 +59,10 @@ def prepare_request(req: GenerateRequest, tokenizer: Tokenizer, limits: RequestL
                 raise ValueError(f"input_ids[{i}] = {t} is out of range [0, {limits.vocab_size})")
     sampling = req.sampling
     sampling.validate(limits.max_context_len)
+    for name in ("top_logprobs", "prompt_logprobs"):
+        k = getattr(sampling, name)
+        if k is not None and k > limits.max_logprobs:
+            raise ValueError(f"{name}: at most {limits.max_logprobs} (--max-logprobs) alternatives, got {k}")
     for t in sampling.stop_token_ids:
         if t >= limits.vocab_size:
             raise ValueError(f"stop_token_ids: {t} is out of range [0, {limits.vocab_size})")

@@ -17,11 +17,13 @@ from himamba.common.types import SamplingParams
 
 def sample_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     """How sample `index` samples: alone (n = 1), with seed + index when seeded, so that the
-    samples differ from each other and each is reproducible."""
+    samples differ from each other and each is reproducible. Only sample 0 computes the prompt
+    logprobs (they are the same for every sample; the others then reuse its prefill)."""
     if sampling.n == 1:
         return sampling
     seed = None if sampling.seed is None else sampling.seed + index
-    return msgspec.structs.replace(sampling, n=1, seed=seed)
+    prompt_logprobs = sampling.prompt_logprobs if index == 0 else None
+    return msgspec.structs.replace(sampling, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 def sample_requests(

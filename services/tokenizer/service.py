@@ -455,7 +455,9 @@ class TokenizerService(Actor[ToTokenizer]):
             return
         # --default-max-tokens when set, else generation_config.json's max_new_tokens, else (0) the context.
         default_max_tokens = self.cfg.scheduler.default_max_tokens or self.sampling_defaults.max_tokens or 0
-        limits = RequestLimits(self._vocab_size, self.cfg.model.max_context_len, default_max_tokens)
+        limits = RequestLimits(
+            self._vocab_size, self.cfg.model.max_context_len, default_max_tokens, self.cfg.model.max_logprobs
+        )
         try:
             prepared = prepare_request(req, self._loaded.tokenizer, limits)
         except ValueError as e:

@@ -43,6 +43,9 @@ class ForwardBatch:
     # Recurrent state slot of each sequence: read as the initial state, overwritten with the final.
     state_slots: torch.Tensor | None = None  # [B] int64
     captures: list[list[Capture]] = field(default_factory=list)  # [B] lists (may be empty)
+    # Indices into T of the rows whose logits the model returns; None: each sequence's last
+    # new token (`last_token_index`). Set for prompt logprobs (worker/logprobs.py).
+    logit_rows: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -27,6 +27,10 @@ class SeqState:
     slots: torch.Tensor  # token slots of its pages, [capacity * page_size] (valid: num_pages * page_size)
     sampling: SamplingParams
     penalties: PenaltyState | None
+    num_prompt: int = 0  # context[:num_prompt] is the prompt
+    # Prompt logprobs: the log-softmax of a prefill chunk's last row, which predicts the next
+    # chunk's first token (worker/logprobs.py).
+    pending_prompt_row: torch.Tensor | None = None
 
     def token_slots(self, length: int) -> torch.Tensor:
         return self.slots[:length]
@@ -65,7 +69,9 @@ class PageTables:
             if plan.sampling.penalised:
                 pen = PenaltyState(self.vocab_size, plan.num_prompt, self.device)
                 pen.feed(plan.history)
-            state = SeqState(0, torch.empty(0, dtype=torch.int64, device=self.device), plan.sampling, pen)
+            state = SeqState(
+                0, torch.empty(0, dtype=torch.int64, device=self.device), plan.sampling, pen, plan.num_prompt
+            )
             self.seqs[plan.rid] = state
         else:
             got = self.seqs.get(plan.rid)

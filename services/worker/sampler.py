@@ -23,7 +23,6 @@ from himamba.services.worker.penalties import PenaltyState
 
 class Sampled(NamedTuple):
     tokens: list[int]  # a failed row's entry is 0 (meaningless)
-    logprobs: list[float] | None
     errors: dict[int, str] = {}  # row -> why its sampling failed
 
 
@@ -64,7 +63,7 @@ def sample(
     steps: Sequence[int],
     penalties: Sequence[PenaltyState | None] | None = None,
 ) -> Sampled:
-    """logits: [B, V]. Returns one token per row (and its logprob when any row asks). Rows with a
+    """logits: [B, V]. Returns one token per row (logprobs: worker/logprobs.py). Rows with a
     PenaltyState get their repetition/frequency/presence penalties first. A row that cannot be
     sampled is reported in `errors` instead of failing the batch."""
     logits = logits.float()
@@ -105,9 +104,4 @@ def sample(
                 errors[i] = f"sampling failed: {type(e).__name__}"
     if errors:
         out[list(errors)] = 0
-    tokens = out.tolist()
-    logprobs = None
-    if any(p.logprobs for p in params):
-        lp = torch.log_softmax(logits, dim=-1)
-        logprobs = lp.gather(1, out.view(-1, 1)).view(-1).tolist()
-    return Sampled(tokens, logprobs, errors)
+    return Sampled(out.tolist(), errors)

@@ -34,6 +34,7 @@ from himamba.common.wire import WireError, tensor_ref
 from himamba.services.actor import Actor
 from himamba.services.worker.host_transfer import CopyFaults, HostTransfer, host_layout
 from himamba.services.worker.loader import load_model
+from himamba.services.worker.logprobs import plan_logit_rows, prompt_logprobs, sampled_logprobs
 from himamba.services.worker.memory import plan_pools
 from himamba.services.worker.page_tables import PageTables
 from himamba.services.worker.pools import KVPool, StatePool
@@ -172,7 +173,8 @@ class WorkerService(Actor[ToWorker]):
         result = BatchDone(
             batch_id=result.batch_id,
             next_tokens=result.next_tokens,
-            logprobs=result.logprobs,
+            token_logprobs=result.token_logprobs,
+            prompt_logprobs=result.prompt_logprobs,
             forward_s=time.perf_counter() - t0,
             logits=result.logits,
             seq_errors=result.seq_errors,
@@ -197,14 +199,22 @@ class WorkerService(Actor[ToWorker]):
             src = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=self.device)
             dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=self.device)
             self.state.copy(src, dst)
+        rows = plan_logit_rows(msg.mode, msg.seqs, states)
+        if rows is not None:  # some sequence wants prompt logprobs: the model returns those rows too
+            batch.logit_rows = rows.rows.to(self.device)
         logits = self.model.forward(batch, self.kv, self.state)
+        prompt_lps = {}
+        if rows is not None:
+            prompt_lps = prompt_logprobs(logits, rows, batch.input_ids, states)
+            logits = logits.index_select(0, rows.last.to(logits.device))
         self.host.unwritten.batch_ran(msg.seqs, states, self.page_size)
         final = [(s.state_slot, slot) for s in msg.seqs for off, slot in s.captures if off == s.new_len]
         if final:
             src = torch.tensor([f[0] for f in final], dtype=torch.int64, device=self.device)
             dst = torch.tensor([f[1] for f in final], dtype=torch.int64, device=self.device)
             self.state.copy(src, dst)
-        sampled = sample(logits, [q.sampling for q in states], [s.step for s in msg.seqs], [q.penalties for q in states])
+        params = [q.sampling for q in states]
+        sampled = sample(logits, params, [s.step for s in msg.seqs], [q.penalties for q in states])
         tensors: list[torch.Tensor] = []
         ref = None
         if msg.return_logits:
@@ -213,6 +223,11 @@ class WorkerService(Actor[ToWorker]):
         if sampled.errors:
             self.log.error("batch %d: sampling failed for %d sequence(s): %s", msg.batch_id, len(sampled.errors), sampled.errors)
         done = BatchDone(
-            batch_id=msg.batch_id, next_tokens=sampled.tokens, logprobs=sampled.logprobs, logits=ref, seq_errors=sampled.errors
+            batch_id=msg.batch_id,
+            next_tokens=sampled.tokens,
+            token_logprobs=sampled_logprobs(logits, params, sampled.tokens, sampled.errors),
+            prompt_logprobs=prompt_lps,
+            logits=ref,
+            seq_errors=sampled.errors,
         )
         return done, tensors

@@ -164,13 +164,24 @@ def test_logprobs_of_the_chosen_tokens(harness: Harness):
     r = harness.post("/v1/completions", {"prompt": "lp", "max_tokens": 3, "logprobs": 0, "temperature": 0})
     lp = r.json()["choices"][0]["logprobs"]
     assert lp["token_logprobs"] == [-0.5, -1.5, -2.5]
-    assert lp["tokens"] == [harness.tokenizer.decode([t]) for t in harness.scheduler.reply_ids[:3]]
+    ids = harness.scheduler.reply_ids[:3]
+    # "héllo": "é" is two byte tokens, each "\ufffd" alone: named by their bytes, as OpenAI does,
+    # with the ids beside them.
+    assert [harness.tokenizer.decode([t]) for t in ids] == ["h", "\ufffd", "\ufffd"]
+    assert lp["tokens"] == ["h", "bytes:\\xc3", "bytes:\\xa9"]
+    assert lp["token_ids"] == ids
     assert lp["text_offset"][0] == 0
     r = harness.post(
-        "/v1/chat/completions", {"messages": [{"role": "user", "content": "lp"}], "max_tokens": 2, "logprobs": True}
+        "/v1/chat/completions", {"messages": [{"role": "user", "content": "lp"}], "max_tokens": 3, "logprobs": True}
     )
     content = r.json()["choices"][0]["logprobs"]["content"]
-    assert [c["logprob"] for c in content] == [-0.5, -1.5]
+    assert [c["logprob"] for c in content] == [-0.5, -1.5, -2.5]
+    assert [c["token"] for c in content] == ["h", "\\xc3", "\\xa9"]
+    assert [c["bytes"] for c in content] == [[ord("h")], [0xC3], [0xA9]]  # together: "é" in UTF-8
+    assert [c["token_id"] for c in content] == ids
+    body = {"prompt": "lp", "max_tokens": 3, "logprobs": 0, "return_tokens_as_token_ids": True}
+    lp = harness.post("/v1/completions", body).json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in ids]  # vLLM's names
 
 
 def _assert_error(r: Any, status: int, param: str | None = None) -> dict[str, Any]:
@@ -193,9 +204,13 @@ def _assert_error(r: Any, status: int, param: str | None = None) -> dict[str, An
         ({"prompt": "x", "n": 17}, 400, "n"),
         ({"prompt": "x", "n": 0}, 400, "n"),
         ({"prompt": "x", "n": 2, "best_of": 3}, 400, "best_of"),
-        ({"prompt": "x", "logprobs": 3}, 400, "logprobs"),
-        ({"prompt": ["a", "b"]}, 400, "prompt"),
+        ({"prompt": "x", "logprobs": -1}, 400, "logprobs"),
+        ({"prompt": "x", "logprobs": 21}, 400, "top_logprobs"),  # past --max-logprobs (20)
+        ({"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+        ({"prompt": ["a", [1, "b"]]}, 400, "prompt"),
+        ({"prompt": ["a", "b", "too long" * 100]}, 400, "prompt"),  # one prompt refused: all are
         ({"prompt": [1, "a"]}, 400, "prompt"),
+        ({"prompt": []}, 400, "prompt"),
         ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
         ({"prompt": list(range(1, _CONTEXT_LEN + 1))}, 400, None),  # too long for the context
         ({"prompt": [10**9]}, 400, None),  # a token id out of the vocabulary

@@ -161,9 +161,10 @@ def test_out_of_range_values_get_400_naming_the_field(api, data, field):
         {"prompt": [], "max_tokens": 2},
         {"prompt": "", "max_tokens": 2},
         {"prompt": [7] * MAX_CONTEXT_LEN, "max_tokens": 2},  # no room left to generate
-        {"prompt": [[1, 2], [3]], "max_tokens": 2},  # a batch
+        {"prompt": [[1, 2], [7] * MAX_CONTEXT_LEN], "max_tokens": 2},  # a batch with one prompt too long
+        {"prompt": [[1, 2], []], "max_tokens": 2},  # a batch with an empty prompt
     ],
-    ids=["missing", "empty-ids", "empty-text", "too-long", "batch"],
+    ids=["missing", "empty-ids", "empty-text", "too-long", "batch-too-long", "batch-empty"],
 )
 def test_bad_prompts_get_400_naming_the_prompt(api, body):
     err = api.refused(json.dumps(body).encode())

@@ -8,6 +8,7 @@ import torch
 
 from himamba.common.types import SamplingParams
 from himamba.services.worker.penalties import PenaltyState
+from himamba.services.worker.logprobs import sampled_logprobs
 from himamba.services.worker.sampler import sample
 
 V = 64
@@ -50,8 +51,11 @@ def test_a_poisoned_row_fails_alone(row: int, poison: object) -> None:
     assert "sampling failed" in got.errors[row]
     others = [i for i in range(len(PARAMS)) if i != row]
     assert [got.tokens[i] for i in others] == [clean.tokens[i] for i in others]
-    assert got.logprobs is not None and clean.logprobs is not None
-    assert [got.logprobs[i] for i in others] == pytest.approx([clean.logprobs[i] for i in others])
+    got_lp = sampled_logprobs(bad, PARAMS, got.tokens, got.errors)
+    clean_lp = sampled_logprobs(_logits(), PARAMS, clean.tokens, clean.errors)
+    assert set(clean_lp) == {2}  # the one row that asks for logprobs
+    # A failed row reports none; the others' are computed from their own rows only.
+    assert got_lp == ({} if row == 2 else clean_lp)
 
 
 def test_a_clean_batch_has_no_errors() -> None:

@@ -2,7 +2,7 @@
 
 Fields follow OpenAI's API (unknown fields are ignored, as OpenAI-compatible servers do), plus
 the extensions vLLM users rely on: `ignore_eos`, `top_k`, `min_p`, `repetition_penalty`,
-`stop_token_ids`, `return_token_ids`. Types are checked here (the error names the field);
+`stop_token_ids`, `return_token_ids`, `prompt_logprobs`, `return_tokens_as_token_ids`. Types are checked here (the error names the field);
 ranges are checked by the same code that checks ZeroMQ requests.
 """
 
@@ -15,6 +15,7 @@ import msgspec
 
 from himamba.common.types import MAX_SAMPLES, SamplingParams
 from himamba.services.tokenizer.http.errors import ApiError
+from himamba.services.tokenizer.http.logprobs_json import LogprobsAsk
 
 
 class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,13 +47,15 @@ class _Body(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False
 
 
 class CompletionBody(_Body, frozen=True, kw_only=True):
     """POST /v1/completions."""
 
     prompt: str | list[Any]
-    logprobs: int | None = None  # only 0: the chosen tokens' logprobs
+    logprobs: int | None = None  # k: the chosen tokens' logprobs and the k most likely
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -125,10 +128,15 @@ _API_DEFAULTS: dict[str, float | int] = {
 
 
 def sampling_of(
-    body: _Body, max_tokens: int | None, logprobs: bool, defaults: Mapping[str, float | int] | None = None
+    body: _Body,
+    max_tokens: int | None,
+    logprobs: bool,
+    defaults: Mapping[str, float | int] | None = None,
+    ask: LogprobsAsk | None = None,
 ) -> SamplingParams:
     """The SamplingParams a body asks for (ranges are checked later, with ZeroMQ requests'); a
     sampling field it leaves out takes `defaults` (generation_config.json's), else the API's."""
+    ask = ask if ask is not None else LogprobsAsk(logprobs)
     chosen = {**_API_DEFAULTS, **(defaults or {})}
     for name in _API_DEFAULTS:
         if (value := getattr(body, name)) is not None:
@@ -148,6 +156,8 @@ def sampling_of(
         presence_penalty=body.presence_penalty,
         n=body.n,
         logprobs=logprobs,
+        top_logprobs=ask.top,
+        prompt_logprobs=ask.prompt_logprobs,
     )
 
 
@@ -158,34 +168,64 @@ class CompletionPrompt(NamedTuple):
     token_ids: list[int] | None
 
 
-def completion_prompt(body: CompletionBody) -> CompletionPrompt:
-    """The one prompt of a completions body (a string, a list of ids, or a batch of one of them)."""
+MAX_BATCHED_PROMPTS = 256  # prompts in one /v1/completions request (each becomes a request)
+
+
+def _token_ids(prompt: Any) -> bool:
+    return isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+
+
+def completion_prompts(body: CompletionBody) -> list[CompletionPrompt]:
+    """The prompts of a completions body: a string, a list of ids, or a batch (a list of
+    strings or of id lists); each becomes a request."""
     prompt: Any = body.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return CompletionPrompt(prompt, None)
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return CompletionPrompt(None, list(prompt))
-    if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
-        raise ApiError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
-    raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
+        return [CompletionPrompt(prompt, None)]
+    if _token_ids(prompt) and prompt:
+        return [CompletionPrompt(None, list(prompt))]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_ids(p) for p in prompt):
+        if len(prompt) * body.n > MAX_BATCHED_PROMPTS:
+            raise ApiError(
+                400,
+                f"prompt: at most {MAX_BATCHED_PROMPTS} prompts times n in one request, got {len(prompt)} x {body.n}",
+                param="prompt",
+            )
+        return [CompletionPrompt(p, None) if isinstance(p, str) else CompletionPrompt(None, list(p)) for p in prompt]
+    raise ApiError(
+        400, "prompt must be a string, a list of token ids, or a list of strings or of token id lists", param="prompt"
+    )
 
 
-def check_completion(body: CompletionBody) -> bool:
-    """Refuse what we do not support; returns whether the chosen tokens' logprobs are wanted."""
+def check_completion(body: CompletionBody) -> LogprobsAsk:
+    """Refuse what we do not support; returns the logprobs wanted (`logprobs: k`: the chosen
+    tokens' and the k most likely; `echo`: the prompt's too)."""
     _check_common(body)
-    if body.echo:
-        raise ApiError(400, "echo is not supported", param="echo")
     if body.best_of not in (None, 1, body.n):  # best_of == n: every sample is returned, nothing to rank
         raise ApiError(400, f"best_of must be 1 or n ({body.n}), got {body.best_of}", param="best_of")
     if body.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
-    if body.logprobs is not None and body.logprobs != 0:
-        raise ApiError(
-            400, "only the chosen tokens' logprobs are returned: logprobs must be 0 or null", param="logprobs"
-        )
-    return body.logprobs is not None
+    if body.logprobs is not None and body.logprobs < 0:
+        raise ApiError(400, f"logprobs must be >= 0, got {body.logprobs}", param="logprobs")
+    _check_prompt_logprobs(body)
+    return LogprobsAsk(body.logprobs is not None, body.logprobs or 0, body.echo, body.prompt_logprobs)
+
+
+def _check_prompt_logprobs(body: _Body) -> None:
+    if body.prompt_logprobs is not None and body.prompt_logprobs < 0:
+        raise ApiError(400, f"prompt_logprobs must be >= 0, got {body.prompt_logprobs}", param="prompt_logprobs")
+
+
+def chat_logprobs_ask(body: ChatBody) -> LogprobsAsk:
+    """The logprobs a chat body wants (`top_logprobs` needs `logprobs: true`, as OpenAI's)."""
+    top = body.top_logprobs or 0
+    if top < 0:
+        raise ApiError(400, f"top_logprobs must be >= 0, got {top}", param="top_logprobs")
+    if top and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    _check_prompt_logprobs(body)
+    if body.prompt_logprobs is not None and body.stream:
+        raise ApiError(400, "prompt_logprobs is not supported with stream", param="prompt_logprobs")
+    return LogprobsAsk(body.logprobs, top, False, body.prompt_logprobs)
 
 
 def _content_text(content: Any, index: int) -> str | None:
@@ -204,8 +244,6 @@ def _content_text(content: Any, index: int) -> str | None:
 def chat_messages(body: ChatBody) -> list[dict[str, Any]]:
     """The conversation as the template expects it: roles checked, text parts joined into strings."""
     _check_common(body)
-    if body.top_logprobs not in (None, 0):
-        raise ApiError(400, "top_logprobs is not supported (only the chosen tokens' logprobs)", param="top_logprobs")
     if body.response_format is not None and body.response_format.get("type", "text") != "text":
         raise ApiError(400, "response_format other than text is not supported", param="response_format")
     return chat_messages_of(body.messages)

@@ -15,8 +15,16 @@ from typing import Any, Literal
 
 from tokenizers import Tokenizer
 
-from himamba.common.messages import GenerateChunk
+from himamba.common.messages import GenerateChunk, TokenLogprobs
 from himamba.common.types import Usage, combined_usage
+from himamba.services.tokenizer.http.logprobs_json import (
+    CompletionLogprobs,
+    LogprobsAsk,
+    chat_logprobs,
+    join,
+    vllm_prompt_logprobs,
+)
+from himamba.services.tokenizer.http.token_text import TokenText
 
 Kind = Literal["completion", "chat"]
 
@@ -49,6 +57,10 @@ class ResponseBuilder:
         logprobs: bool,
         prompt_token_ids: list[int] | None = None,
         n: int = 1,
+        ask: LogprobsAsk | None = None,
+        tokens_as_ids: bool = False,
+        index_base: int = 0,
+        echo_text: str | None = None,
     ):
         self.kind = kind
         self._id = response_id
@@ -59,9 +71,15 @@ class ResponseBuilder:
         self._logprobs = logprobs
         self.prompt_token_ids = prompt_token_ids
         self.n = n
-        # Per choice: where its next token's text starts (completions logprobs), whether its
-        # first stream chunk (role, prompt ids) went out.
-        self._text_offset = [0] * n
+        # Logprobs beyond the chosen tokens' (logprobs_json.py); a batched completions request
+        # has a builder per prompt, whose choices start at `index_base` (prompt i: i * n).
+        self.ask = ask if ask is not None else LogprobsAsk(logprobs)
+        self._names = TokenText(tokenizer, tokens_as_ids)
+        self.index_base = index_base
+        self._echo_text = echo_text  # completions `echo`: the prompt, before each choice's text
+        self._prompt_logprobs: list[TokenLogprobs] | None = None  # sample 0 brings them
+        self._completion_lps = [CompletionLogprobs(self._names, self.ask.top) for _ in range(n)]
+        # Per choice: whether its first stream chunk (role, prompt ids, echo) went out.
         self._started = [False] * n
         self._sent_prompt_ids = False
 
@@ -72,33 +90,46 @@ class ResponseBuilder:
             obj = "chat.completion.chunk" if stream else "chat.completion"
         return {"id": self._id, "object": obj, "created": self._created, "model": self._model}
 
-    def _logprobs_json(self, index: int, ids: list[int], logprobs: list[float] | None) -> dict[str, Any] | None:
-        if not self._logprobs or logprobs is None:
-            return None
-        texts = [self._tok.decode([t], skip_special_tokens=False) for t in ids]
+    def _logprobs_json(self, index: int, chunk: GenerateChunk, first: bool) -> dict[str, Any] | None:
+        if not self._logprobs or chunk.logprobs is None:
+            if not (first and self._echoes_logprobs()):
+                return None
+        ids, logprobs = chunk.token_ids, chunk.logprobs or []
         if self.kind == "chat":
-            content = [
-                {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
-                for s, lp in zip(texts, logprobs, strict=True)
-            ]
-            return {"content": content}
-        offsets = []
-        for s in texts:
-            offsets.append(self._text_offset[index])
-            self._text_offset[index] += len(s)
-        return {"tokens": texts, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+            return chat_logprobs(self._names, ids, logprobs, chunk.top_logprobs, self.ask.top)
+        pieces = self._completion_lps[index]
+        head = pieces.prompt(self._prompt_ids(), self._prompt_entries()) if first and self._echoes_logprobs() else None
+        body = pieces.build(ids, logprobs, chunk.top_logprobs)
+        return body if head is None else join(head, body)
+
+    def _echoes_logprobs(self) -> bool:
+        return self.kind == "completion" and self.ask.echo and self.ask.logprobs
+
+    def _prompt_ids(self) -> list[int]:
+        if self.prompt_token_ids is None:
+            raise ValueError("echo: the prompt's token ids never came")
+        return self.prompt_token_ids
+
+    def _prompt_entries(self) -> list[TokenLogprobs]:
+        # Sample 0 computes them; its first chunk comes before any sibling's (the siblings wait
+        # for its prefill), so every choice finds them here.
+        if self._prompt_logprobs is None:
+            raise ValueError("prompt logprobs: sample 0's first chunk has not come")
+        return self._prompt_logprobs
 
     def _note_prompt(self, chunk: GenerateChunk) -> None:
         if chunk.prompt_token_ids is not None and self.prompt_token_ids is None:
             self.prompt_token_ids = list(chunk.prompt_token_ids)
+        if chunk.prompt_logprobs is not None and self._prompt_logprobs is None:
+            self._prompt_logprobs = list(chunk.prompt_logprobs)
 
     def _choice(self, chunk: GenerateChunk, stream: bool) -> dict[str, Any]:
         index = self._index(chunk)
         first = not self._started[index]
         self._started[index] = True
-        choice: dict[str, Any] = {"index": index}
+        choice: dict[str, Any] = {"index": self.index_base + index}
         if self.kind == "completion":
-            choice["text"] = chunk.text
+            choice["text"] = (self._echo_text or "") + chunk.text if first else chunk.text
         elif stream:
             delta: dict[str, Any] = {}
             if first:
@@ -108,7 +139,11 @@ class ResponseBuilder:
             choice["delta"] = delta
         else:
             choice["message"] = {"role": "assistant", "content": chunk.text}
-        choice["logprobs"] = self._logprobs_json(index, chunk.token_ids, chunk.logprobs)
+        choice["logprobs"] = self._logprobs_json(index, chunk, first)
+        if self.kind == "completion" and first and self.ask.prompt is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                self._names, self._prompt_ids(), self._prompt_entries(), self.ask.prompt
+            )
         choice["finish_reason"] = chunk.finish_reason if chunk.finished else None
         if self._return_token_ids:
             choice["token_ids"] = list(chunk.token_ids)
@@ -133,6 +168,10 @@ class ResponseBuilder:
         out["choices"] = [self._choice(chunk, stream=False) for chunk in ordered]
         if self._return_token_ids:
             out["prompt_token_ids"] = self.prompt_token_ids
+        if self.kind == "chat" and self.ask.prompt is not None:  # where vLLM puts it for chat
+            out["prompt_logprobs"] = vllm_prompt_logprobs(
+                self._names, self._prompt_ids(), self._prompt_entries(), self.ask.prompt
+            )
         usages = [c.usage for c in ordered if c.usage is not None]
         if len(usages) == len(ordered):
             out["usage"] = usage_json(combined_usage(usages))

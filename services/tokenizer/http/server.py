@@ -33,12 +33,15 @@ from himamba.services.tokenizer.generation_defaults import SamplingDefaults
 from himamba.services.tokenizer.http.bodies import (
     ChatBody,
     CompletionBody,
+    CompletionPrompt,
+    chat_logprobs_ask,
     chat_messages,
     check_completion,
-    completion_prompt,
+    completion_prompts,
     decode_body,
     sampling_of,
 )
+from himamba.services.tokenizer.http.batch import BatchedCompletion
 from himamba.services.tokenizer.http.chat_template import ChatTemplate
 from himamba.services.tokenizer.http.connections import (
     ConnectionGuard,
@@ -284,24 +287,58 @@ class HttpServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body, _ = decode_body(await read_body(request, self.cfg.body_timeout_s), CompletionBody)
         self._check_model(body.model)
-        logprobs = check_completion(body)
-        prompt = completion_prompt(body)
+        ask = check_completion(body)
+        prompts = completion_prompts(body)
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        req = GenerateRequest(
-            rid=response_id,
-            prompt=prompt.text,
-            input_ids=prompt.token_ids,
-            sampling=sampling_of(body, body.max_tokens, logprobs, self.door.sampling_defaults.values()),
-            stream=body.stream,
-        )
-        builder = self._builder("completion", response_id, body.return_token_ids, logprobs, prompt.token_ids, body.n)
+        sampling = sampling_of(body, body.max_tokens, ask.logprobs, self.door.sampling_defaults.values(), ask)
+        reqs, builders = [], []
+        for i, prompt in enumerate(prompts):
+            reqs.append(
+                GenerateRequest(
+                    rid=response_id, prompt=prompt.text, input_ids=prompt.token_ids, sampling=sampling, stream=body.stream
+                )
+            )
+            builder = self._builder(
+                "completion", response_id, body.return_token_ids, ask.logprobs, prompt.token_ids, body.n,
+                ask=ask, tokens_as_ids=body.return_tokens_as_token_ids, index_base=i * body.n,
+                echo_text=self._echo_text(prompt) if body.echo else None,
+            )  # fmt: skip
+            builders.append(builder)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return await self._serve(request, req, builder, include_usage)
+        if len(reqs) == 1:
+            return await self._serve(request, reqs[0], builders[0], include_usage)
+        batch = BatchedCompletion(reqs, builders, self.door.open_stream, _reply_error)
+        return await self._serve_batch(request, batch, include_usage)
+
+    def _echo_text(self, prompt: CompletionPrompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return self.door.tokenizer.decode(prompt.token_ids or [], skip_special_tokens=False)
+
+    async def _serve_batch(
+        self, request: web.Request, batch: BatchedCompletion, include_usage: bool
+    ) -> web.StreamResponse:
+        try:
+            await batch.open()
+            if not batch.reqs[0].stream:
+                return _json(await batch.whole(self._whole_chunks))
+            response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            )
+            await response.prepare(request)
+            try:
+                await batch.write_stream(response, include_usage)
+            except ConnectionResetError:
+                pass  # the client went away: closing the streams aborts the requests
+            return response
+        finally:
+            await batch.close()
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body, _ = decode_body(await read_body(request, self.cfg.body_timeout_s), ChatBody)
         self._check_model(body.model)
         messages = chat_messages(body)
+        ask = chat_logprobs_ask(body)
         text = render_chat(
             self.door.chat_template,
             self.door.max_context_len,
@@ -321,10 +358,13 @@ class HttpServer:
         req = GenerateRequest(
             rid=response_id,
             input_ids=input_ids,
-            sampling=sampling_of(body, max_tokens, body.logprobs, self.door.sampling_defaults.values()),
+            sampling=sampling_of(body, max_tokens, body.logprobs, self.door.sampling_defaults.values(), ask),
             stream=body.stream,
         )
-        builder = self._builder("chat", response_id, body.return_token_ids, body.logprobs, input_ids, body.n)
+        builder = self._builder(
+            "chat", response_id, body.return_token_ids, body.logprobs, input_ids, body.n,
+            ask=ask, tokens_as_ids=body.return_tokens_as_token_ids,
+        )  # fmt: skip
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return await self._serve(request, req, builder, include_usage)
 
@@ -336,6 +376,7 @@ class HttpServer:
         logprobs: bool,
         prompt_ids: list[int] | None,
         n: int,
+        **extra: Any,
     ) -> ResponseBuilder:
         return ResponseBuilder(
             kind,
@@ -347,6 +388,7 @@ class HttpServer:
             logprobs=logprobs,
             prompt_token_ids=prompt_ids,
             n=n,
+            **extra,
         )
 
     async def _serve(

@@ -220,14 +220,16 @@ class HybridDecoderLM(nn.Module):
         return StateSpec(tuple(m.state_components() for m in mixers if m is not None))
 
     def forward(self, batch: ForwardBatch, kv: KVPool, state: StatePool) -> torch.Tensor:
-        """Logits [B, vocab] (float32) of each sequence's last new token; updates the pools.
+        """Logits [B, vocab] (float32) of each sequence's last new token (or of the rows
+        `batch.logit_rows` names, when set); updates the pools.
 
         Runs under `torch.inference_mode()` itself, so callers need not.
         """
         check_batch(batch, kv, state, self.num_attention_layers, self.num_recurrent_layers)
         with torch.inference_mode():
             h = self.run_layers(self.embed(batch.input_ids), batch, kv, state)
-            last = h.index_select(0, batch.last_token_index.to(h.device))
+            rows = batch.last_token_index if batch.logit_rows is None else batch.logit_rows
+            last = h.index_select(0, rows.to(h.device))
             return self.logits(last)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
