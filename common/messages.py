@@ -15,7 +15,7 @@ from typing import Annotated, Literal, Union
 import msgspec
 
 from himamba.common.host_layout import HostPoolLayout
-from himamba.common.types import CachedTokens, FinishReason, SamplingParams, Usage
+from himamba.common.types import CachedTokens, FinishReason, GrammarSpec, SamplingParams, Usage
 
 
 class Message(msgspec.Struct, tag=True, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -213,6 +213,13 @@ class ResetState(Message):
     """Zero the given recurrent-state slots (used by tests and on recovery)."""
 
     slots: list[int]
+
+
+class PrepareGrammar(Message):
+    """The front door accepted a request constrained by `grammar`: the worker builds its matcher
+    now, off its step loop, so the request's first step finds it ready (a hint: nothing answers)."""
+
+    grammar: GrammarSpec
 
 
 # ---------------------------------------------------------------- worker -> scheduler
@@ -552,6 +559,6 @@ ToTokenizer = Union[TokenBatch, WorkerInfo, Ready, MetricsReport, CacheFlushed, 
 ToScheduler = Union[
     AddRequest, AbortRequest, StopRequest, BatchDone, CacheStepDone, PrefetchDone, CacheReset, WorkerInfo, Shutdown
 ]
-ToWorker = Union[RunBatch, ResetState, Hello, Shutdown]
+ToWorker = Union[RunBatch, ResetState, PrepareGrammar, Hello, Shutdown]
 ToCache = Union[CacheStep, TransfersDone, WorkerInfo, GetCacheStats, FlushCache, Hello, Shutdown]
 ToLauncher = Union[Ready, Fatal]

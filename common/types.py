@@ -114,8 +114,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError("top_logprobs needs logprobs")
         if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
-        if self.grammar is not None:
-            raise ValueError("grammar: structured outputs are not supported yet")
+        if self.grammar is not None and self.ignore_eos:
+            # A finished grammar allows only the end-of-sequence token: ignoring it never ends.
+            raise ValueError("ignore_eos cannot be combined with a grammar (structured outputs end on EOS)")
 
 
 class CachedTokens(msgspec.Struct, frozen=True, kw_only=True):

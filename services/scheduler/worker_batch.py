@@ -16,6 +16,10 @@ from himamba.services.scheduler.captures import Capture
 from himamba.services.scheduler.request import Req
 
 
+def _needs_history(req: Req, start: int) -> bool:
+    return req.sampling.penalised or (req.sampling.grammar is not None and start > len(req.prompt_ids))
+
+
 _NO_CAPTURES: list[tuple[int, int]] = []  # shared by every plan without captures (never mutated)
 
 
@@ -39,7 +43,8 @@ def _reset_plan(req: Req, n: int, caps: list[Capture], pages: list[int]) -> SeqP
         page_start=0,
         num_new_pages=len(req.pages),
         sampling=req.sampling,
-        history=req.tokens(0, start) if req.sampling.penalised else [],
+        # Penalties count the whole context; a grammar's matcher is rebuilt from the outputs in it.
+        history=req.tokens(0, start) if _needs_history(req, start) else [],
         num_prompt=len(req.prompt_ids),
     )
 

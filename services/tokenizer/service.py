@@ -41,6 +41,7 @@ from himamba.common.messages import (
     GenerateRequest,
     Hello,
     MetricsReport,
+    PrepareGrammar,
     Ready,
     StopRequest,
     TokenBatch,
@@ -70,6 +71,7 @@ from himamba.services.tokenizer.http.chat_template import (
     ChatTemplate,
     load_chat_template,
 )
+from himamba.services.tokenizer.grammars import FrontDoorGrammars
 from himamba.services.tokenizer.http.server import HttpServer
 from himamba.services.tokenizer.loader import LoadedTokenizer, load_tokenizer
 from himamba.services.tokenizer.local_clients import LocalClients, ReplyStream
@@ -149,6 +151,8 @@ class TokenizerService(Actor[ToTokenizer]):
         self._loaded = load_tokenizer(m.model, m.tokenizer or None)
         self._vocab_size = self._loaded.vocab_size
         self._eos_token_ids = list(self._loaded.eos_token_ids)
+        tokenizer_json = Path(m.tokenizer or m.model) / "tokenizer.json"
+        self._grammars = FrontDoorGrammars(tokenizer_json, lambda: self._vocab_size, lambda: self._eos_token_ids)
         try:
             self.chat_template = load_chat_template(m.tokenizer or m.model, m.chat_template)
         except ValueError as e:  # a broken template costs chat completions, not the server
@@ -460,9 +464,18 @@ class TokenizerService(Actor[ToTokenizer]):
         )
         try:
             prepared = prepare_request(req, self._loaded.tokenizer, limits)
+            if req.sampling.grammar is not None:
+                await self._grammars.check(req.sampling.grammar)  # off the loop; a 400 before queueing
         except ValueError as e:
             await self._reply(identity, ErrorReply(message=str(e), rid=client_rid, code=400))
             return
+        if req.sampling.grammar is not None:
+            if self.table.in_flight(identity, client_rid):  # the same rid arrived while we checked
+                error = ErrorReply(message=f"rid {client_rid!r} is already in flight", rid=client_rid, code=409)
+                await self._reply(identity, error)
+                return
+            if self._worker is not None:
+                await self._worker.send(PrepareGrammar(grammar=req.sampling.grammar))
         n = req.sampling.n
         adds = sample_requests(
             [internal_rid(identity, client_rid, i) for i in range(n)],

@@ -16,6 +16,7 @@ import torch
 from himamba.common.messages import SeqPlan
 from himamba.common.types import SamplingParams
 from himamba.common.wire import WireError
+from himamba.services.worker.grammar_masks import GrammarCompiler, GrammarState
 from himamba.services.worker.penalties import PenaltyState
 
 
@@ -31,6 +32,7 @@ class SeqState:
     # Prompt logprobs: the log-softmax of a prefill chunk's last row, which predicts the next
     # chunk's first token (worker/logprobs.py).
     pending_prompt_row: torch.Tensor | None = None
+    grammar: GrammarState | None = None  # structured outputs: the sequence's matcher
 
     def token_slots(self, length: int) -> torch.Tensor:
         return self.slots[:length]
@@ -39,8 +41,16 @@ class SeqState:
 class PageTables:
     """Sequences by rid; updated from each RunBatch before its forward."""
 
-    def __init__(self, page_size: int, num_pages: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        num_pages: int,
+        vocab_size: int,
+        device: torch.device,
+        grammars: GrammarCompiler | None = None,
+    ) -> None:
         self.page_size = page_size
+        self.grammars = grammars
         self.num_pages = num_pages
         self.vocab_size = vocab_size
         self.device = device
@@ -58,6 +68,18 @@ class PageTables:
         """A new scheduler: nothing it will send refers to an earlier one's sequences."""
         self.seqs.clear()
 
+    def _grammar_state(self, plan: SeqPlan) -> GrammarState:
+        """A fresh matcher, brought up to date with the outputs already in the cached context."""
+        assert plan.sampling is not None and plan.sampling.grammar is not None
+        if self.grammars is None:
+            raise WireError(f"{plan.rid}: structured outputs asked of a worker without a grammar engine")
+        g = self.grammars.state(plan.sampling.grammar, plan.num_prompt)
+        if plan.prefix_len > plan.num_prompt:  # outputs served from the cache: they come as history
+            if len(plan.history) != plan.prefix_len:
+                raise WireError(f"{plan.rid}: a constrained sequence reset past its prompt needs its history")
+            g.feed(0, torch.tensor(plan.history, dtype=torch.int64))
+        return g
+
     def update(self, plan: SeqPlan, new_pages: torch.Tensor) -> SeqState:
         """Apply one sequence's delta (`new_pages` is its slice of the batch's pages tensor)."""
         if new_pages.numel() and (int(new_pages.min()) < 0 or int(new_pages.max()) >= self.num_pages):
@@ -72,6 +94,8 @@ class PageTables:
             state = SeqState(
                 0, torch.empty(0, dtype=torch.int64, device=self.device), plan.sampling, pen, plan.num_prompt
             )
+            if plan.sampling.grammar is not None:
+                state.grammar = self._grammar_state(plan)
             self.seqs[plan.rid] = state
         else:
             got = self.seqs.get(plan.rid)

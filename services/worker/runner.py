@@ -23,7 +23,8 @@ def build_forward_batch(
     tensors. Returns the batch and each sequence's state (its sampling parameters, penalties)."""
     if plan.input_ids is None or plan.pages is None:
         raise WireError("RunBatch without input_ids/pages tensors")
-    input_ids = get_tensor(frames, plan.input_ids).to(device=device, dtype=torch.int64)
+    ids_cpu = get_tensor(frames, plan.input_ids)
+    input_ids = ids_cpu.to(device=device, dtype=torch.int64)
     pages = get_tensor(frames, plan.pages).to(device=device, dtype=torch.int64)
     seqs = plan.seqs
     if input_ids.numel() != sum(s.new_len for s in seqs):
@@ -53,6 +54,8 @@ def build_forward_batch(
         positions.append(torch.arange(s.prefix_len, total, dtype=torch.int64, device=device))
         if state.penalties is not None:
             state.penalties.feed(input_ids[tok : tok + s.new_len])
+        if state.grammar is not None:
+            state.grammar.feed(s.prefix_len, ids_cpu[tok : tok + s.new_len])
         tok += s.new_len
 
     batch = ForwardBatch(

@@ -18,6 +18,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from himamba.common.types import SamplingParams
+from himamba.services.worker.grammar_masks import GrammarMasks
 from himamba.services.worker.penalties import PenaltyState
 
 
@@ -62,10 +63,12 @@ def sample(
     params: Sequence[SamplingParams],
     steps: Sequence[int],
     penalties: Sequence[PenaltyState | None] | None = None,
+    grammar: GrammarMasks | None = None,
 ) -> Sampled:
     """logits: [B, V]. Returns one token per row (logprobs: worker/logprobs.py). Rows with a
-    PenaltyState get their repetition/frequency/presence penalties first. A row that cannot be
-    sampled is reported in `errors` instead of failing the batch."""
+    PenaltyState get their repetition/frequency/presence penalties first; the rows of `grammar`
+    (structured outputs) keep only the tokens their grammar allows. A row that cannot be sampled
+    is reported in `errors` instead of failing the batch."""
     logits = logits.float()
     errors: dict[int, str] = {}
     if _NAN_SEED is not None and any(p.seed == _NAN_SEED for p in params):
@@ -81,6 +84,10 @@ def sample(
                     logits[i] = state.apply(logits[i], params[i])
                 except _SAMPLING_ERRORS as e:
                     errors[i] = f"sampling failed: {type(e).__name__}"
+    if grammar is not None:
+        logits = grammar.apply(logits.clone())
+        for i, why in grammar.errors.items():
+            errors.setdefault(i, why)
     # One batched check: a NaN anywhere, or no finite logit to pick.
     bad = torch.isnan(logits).any(dim=-1) | ~torch.isfinite(logits).any(dim=-1)
     if bool(bad.any()):

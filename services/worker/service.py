@@ -19,6 +19,7 @@ from himamba.common.config import Config
 from himamba.common.messages import (
     BatchDone,
     Hello,
+    PrepareGrammar,
     Ready,
     ResetState,
     RunBatch,
@@ -33,6 +34,7 @@ from himamba.common.transport import Outbox
 from himamba.common.wire import WireError, tensor_ref
 from himamba.services.actor import Actor
 from himamba.services.worker.host_transfer import CopyFaults, HostTransfer, host_layout
+from himamba.services.worker.grammar_masks import GrammarCompiler
 from himamba.services.worker.loader import load_model
 from himamba.services.worker.logprobs import plan_logit_rows, prompt_logprobs, sampled_logprobs
 from himamba.services.worker.memory import plan_pools
@@ -92,7 +94,9 @@ class WorkerService(Actor[ToWorker]):
             c.debug_transfer_direction,
         )
         self.host = HostTransfer(self.kv, self.state, layout, self.device, faults)
-        self.tables = PageTables(self.page_size, plan.num_pages, self.model.vocab_size, self.device)
+        tokenizer_json = Path(cfg.model.tokenizer or cfg.model.model) / "tokenizer.json"
+        self.grammars = GrammarCompiler(tokenizer_json, self.model.vocab_size, read_eos_token_ids(model_dir))
+        self.tables = PageTables(self.page_size, plan.num_pages, self.model.vocab_size, self.device, self.grammars)
         self.info = WorkerInfo(
             vocab_size=self.model.vocab_size,
             eos_token_ids=read_eos_token_ids(model_dir),
@@ -132,6 +136,8 @@ class WorkerService(Actor[ToWorker]):
             case ResetState(slots=slots):
                 self.state.zero(torch.tensor(slots, dtype=torch.int64, device=self.device))
                 self.host.unwritten.slots_zeroed(slots)
+            case PrepareGrammar(grammar=grammar):
+                self.grammars.prepare(grammar)
             case Hello(service=service):
                 # A restarted peer missed our WorkerInfo. Answered in inbox order, so it also
                 # tells the peer that every batch (and copy) sent before its Hello has run.
@@ -186,6 +192,8 @@ class WorkerService(Actor[ToWorker]):
     async def stop(self) -> None:
         if hasattr(self, "host"):
             self.host.close()
+        if hasattr(self, "grammars"):
+            self.grammars.close()
 
     @torch.inference_mode()
     def forward(self, msg: RunBatch, frames: list[Any]) -> tuple[BatchDone, list[torch.Tensor]]:
@@ -214,7 +222,8 @@ class WorkerService(Actor[ToWorker]):
             dst = torch.tensor([f[1] for f in final], dtype=torch.int64, device=self.device)
             self.state.copy(src, dst)
         params = [q.sampling for q in states]
-        sampled = sample(logits, params, [s.step for s in msg.seqs], [q.penalties for q in states])
+        masks = self.grammars.masks([q.grammar for q in states], logits.shape[-1])
+        sampled = sample(logits, params, [s.step for s in msg.seqs], [q.penalties for q in states], masks)
         tensors: list[torch.Tensor] = []
         ref = None
         if msg.return_logits:

@@ -2,7 +2,7 @@
 
 Fields follow OpenAI's API (unknown fields are ignored, as OpenAI-compatible servers do), plus
 the extensions vLLM users rely on: `ignore_eos`, `top_k`, `min_p`, `repetition_penalty`,
-`stop_token_ids`, `return_token_ids`, `prompt_logprobs`, `return_tokens_as_token_ids`. Types are checked here (the error names the field);
+`stop_token_ids`, `return_token_ids`, `prompt_logprobs`, `return_tokens_as_token_ids`, and vLLM's and sglang's structured-output fields. Types are checked here (the error names the field);
 ranges are checked by the same code that checks ZeroMQ requests.
 """
 
@@ -16,6 +16,7 @@ import msgspec
 from himamba.common.types import MAX_SAMPLES, SamplingParams
 from himamba.services.tokenizer.http.errors import ApiError
 from himamba.services.tokenizer.http.logprobs_json import LogprobsAsk
+from himamba.services.tokenizer.http.structured_outputs import StructuredOutputFields, grammar_of
 
 
 class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -23,8 +24,9 @@ class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
     continuous_usage_stats: bool = False
 
 
-class _Body(msgspec.Struct, frozen=True, kw_only=True):
-    """Fields common to /v1/completions and /v1/chat/completions."""
+class _Body(StructuredOutputFields, frozen=True, kw_only=True):
+    """Fields common to /v1/completions and /v1/chat/completions (with the structured-output
+    fields of `structured_outputs.py`)."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -158,6 +160,7 @@ def sampling_of(
         logprobs=logprobs,
         top_logprobs=ask.top,
         prompt_logprobs=ask.prompt_logprobs,
+        grammar=grammar_of(body),
     )
 
 
@@ -244,8 +247,6 @@ def _content_text(content: Any, index: int) -> str | None:
 def chat_messages(body: ChatBody) -> list[dict[str, Any]]:
     """The conversation as the template expects it: roles checked, text parts joined into strings."""
     _check_common(body)
-    if body.response_format is not None and body.response_format.get("type", "text") != "text":
-        raise ApiError(400, "response_format other than text is not supported", param="response_format")
     return chat_messages_of(body.messages)
 
 

@@ -1,0 +1,182 @@
+"""Structured outputs in the worker: a grammar matcher per constrained sequence, and its mask
+applied to that sequence's logits row before sampling.
+
+Grammars are built off the step loop: the front door sends `PrepareGrammar` as it accepts a
+request, and a one-thread pool builds each (kind, spec) once into a template matcher (an LRU);
+a sequence's matcher is a copy of its template. Only if a request's first step comes before its
+build finished does that step wait for it (a build takes about a millisecond).
+
+A matcher's state is a function of the sequence's output tokens, and the worker is fed every
+token of a sequence's context in order (prompt chunks, then each sampled token as the next
+step's input), so it consumes each output token as it is fed. A sequence whose page table is
+reset (retraction, a restarted scheduler or worker) gets the context before its first new token
+as `history`, and its matcher is rebuilt from the outputs in it: nothing depends on earlier steps.
+
+Unconstrained sequences pay nothing: a batch without a constrained sequence skips all of this,
+and the masks of one with some are computed and applied for those rows only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+import llguidance
+import torch
+
+from himamba.common.grammar import make_tokenizer, new_matcher
+from himamba.common.types import GrammarSpec
+
+log = logging.getLogger("himamba.worker")
+TEMPLATE_CACHE_SIZE = 64  # grammars kept built (a template is the grammar plus its lexer cache)
+
+
+class GrammarCompiler:
+    """Builds template matchers in a background thread, once per (kind, spec) while cached."""
+
+    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: list[int], size: int = TEMPLATE_CACHE_SIZE):
+        self.tokenizer_json = tokenizer_json
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.size = size
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._tokenizer: Future[llguidance.LLTokenizer] | None = None
+        self._templates: OrderedDict[tuple[str, str], Future[llguidance.LLMatcher]] = OrderedDict()
+        self._executor: llguidance.LLExecutor | None = None
+        self.builds = 0  # grammars built (tests and logs)
+
+    def prepare(self, spec: GrammarSpec) -> Future[llguidance.LLMatcher]:
+        """The template of `spec`, built (or being built) in the background."""
+        key = (spec.kind, spec.spec)
+        got = self._templates.get(key)
+        if got is not None:
+            self._templates.move_to_end(key)
+            return got
+        if self._tokenizer is None:
+            self._tokenizer = self._pool.submit(self._load_tokenizer)
+        fut = self._pool.submit(self._build, spec)
+        self._templates[key] = fut
+        while len(self._templates) > self.size:
+            self._templates.popitem(last=False)  # a sequence holding it keeps its own reference
+        return fut
+
+    def _load_tokenizer(self) -> llguidance.LLTokenizer:
+        try:
+            text = self.tokenizer_json.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"structured outputs need the model's tokenizer.json: {e.strerror}") from None
+        return make_tokenizer(text, self.vocab_size, self.eos_token_ids)
+
+    def _build(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+        assert self._tokenizer is not None
+        matcher = new_matcher(spec, self._tokenizer.result())
+        matcher.compute_bitmask()  # warms the lexer for the first state, here rather than in a step
+        self.builds += 1
+        return matcher
+
+    def state(self, spec: GrammarSpec, num_prompt: int) -> GrammarState:
+        return GrammarState(self.prepare(spec), num_prompt)
+
+    def masks(self, states: Sequence[GrammarState | None], vocab_size: int) -> GrammarMasks | None:
+        """The masks of a batch's constrained rows (None when it has none)."""
+        rows = [i for i, g in enumerate(states) if g is not None]
+        if not rows:
+            return None
+        words = (vocab_size + 31) // 32
+        bitmask = torch.zeros((len(rows), words), dtype=torch.int32)  # a row left 0 allows nothing
+        errors: dict[int, str] = {}
+        work: list[tuple[llguidance.LLMatcher, int]] = []
+        for k, i in enumerate(rows):
+            g = states[i]
+            assert g is not None
+            matcher = g.matcher_now()
+            if matcher is None:
+                errors[i] = g.error or "grammar: no matcher"
+            else:
+                work.append((matcher, k))
+        if work:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            self._executor.unsafe_compute_mask_ptr(work, bitmask.data_ptr(), words * 4, len(rows))
+            empty = (bitmask == 0).all(dim=1).tolist()
+            for matcher, k in work:
+                if matcher.is_error():  # a mask the grammar could not compute: the row fails alone
+                    errors[rows[k]] = f"grammar: {matcher.get_error()}"
+                elif empty[k]:  # e.g. a finished grammar on a model without an end-of-sequence token
+                    errors[rows[k]] = "grammar: no token of the vocabulary is allowed here"
+        return GrammarMasks(rows, bitmask, errors)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class GrammarState:
+    """One sequence's matcher, fed the sequence's output tokens in order."""
+
+    def __init__(self, template: Future[llguidance.LLMatcher], num_prompt: int):
+        self._template = template
+        self.num_prompt = num_prompt
+        self.seen = 0  # output tokens fed so far (consumed, or pending until the matcher exists)
+        self.matcher: llguidance.LLMatcher | None = None
+        self.pending: list[int] = []
+        self.error: str | None = None
+
+    def feed(self, start: int, tokens: torch.Tensor) -> None:
+        """Context tokens at positions [start, start + len(tokens)) (a CPU tensor); those of the
+        output not fed before are consumed."""
+        first = self.num_prompt + self.seen  # the first output position not fed yet
+        end = start + tokens.numel()
+        if end <= first or self.error is not None:
+            return
+        if start > first:
+            self.error = "grammar: the worker missed output tokens (no history at reset)"
+            return
+        new = tokens[first - start :].tolist()
+        self.seen += len(new)
+        self.pending.extend(new)
+        if self.matcher is not None:
+            self._consume()
+
+    def matcher_now(self) -> llguidance.LLMatcher | None:
+        """The matcher, up to date with every token fed; waits for its grammar's build if needed.
+        None when the grammar failed (`error` says why)."""
+        if self.matcher is None and self.error is None:
+            try:
+                self.matcher = self._template.result().deep_copy()
+            except (ValueError, RuntimeError, OSError) as e:
+                self.error = f"grammar: {e}"
+                return None
+            self._consume()
+        return None if self.error is not None else self.matcher
+
+    def _consume(self) -> None:
+        assert self.matcher is not None
+        if self.pending and not self.matcher.consume_tokens(self.pending):
+            self.error = f"grammar: a token the grammar does not allow was fed ({self.matcher.get_error()})"
+        self.pending.clear()
+
+
+class GrammarMasks(NamedTuple):
+    """The allowed tokens of a batch's constrained rows: `bitmask[k]` is row `rows[k]`'s, bit
+    `t % 32` of word `t // 32` set when token t is allowed."""
+
+    rows: list[int]
+    bitmask: torch.Tensor  # [len(rows), ceil(V / 32)] int32, on the CPU
+    errors: dict[int, str]  # row -> why its grammar cannot constrain it (the row fails)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [B, V] float32 with every disallowed token of a constrained row at -inf (in place)."""
+        allowed = unpack_bitmask(self.bitmask.to(logits.device, non_blocking=True), logits.shape[1])
+        idx = torch.tensor(self.rows, dtype=torch.int64, device=logits.device)
+        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+        return logits
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, W] int32 words -> [R, vocab_size] bool (token t allowed when bit t % 32 of word t // 32 is set)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
