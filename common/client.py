@@ -27,7 +27,9 @@ Client -> server (`ClientRequest`):
   `presence_penalty`, `n` (samples of the prompt, 1 to 16; sample i uses `seed` + i when a seed
   is given), `logprobs` (bool), `top_logprobs` (int: alternatives per generated token, with
   `logprobs`), `prompt_logprobs` (int | nil: the prompt tokens' logprobs with that many
-  alternatives; such a request skips the prefix cache). `api_key` (str): required when the server was started with
+  alternatives; such a request skips the prefix cache), `grammar` (structured outputs:
+  ``{"kind": "json_schema" | "json_object" | "regex" | "choice" | "ebnf", "spec": str}``, the
+  schema as JSON text, the choices as a JSON list; an invalid one is a 400). `api_key` (str): required when the server was started with
   `--api-key` (the same key HTTP clients send as a Bearer token); a request without it is
   answered by an ErrorReply with code 401. `rid` is at most 256 characters. A tcp:// client
   endpoint is either CURVE-encrypted with an allow-list of client keys (`CurveKeys`) or marked
@@ -95,7 +97,7 @@ from himamba.common.messages import (
     GenerateRequest,
     TokenLogprobs,
 )
-from himamba.common.types import FinishReason, SamplingParams, Usage
+from himamba.common.types import FinishReason, GrammarSpec, SamplingParams, Usage
 
 _log = logging.getLogger("himamba.client")
 
@@ -147,6 +149,7 @@ class GenerateOptions(TypedDict, total=False):
     logprobs: bool
     top_logprobs: int
     prompt_logprobs: int | None
+    grammar: GrammarSpec | None
 
 
 def make_request(
@@ -171,6 +174,7 @@ def make_request(
     n: int = 1,
     top_logprobs: int = 0,
     prompt_logprobs: int | None = None,
+    grammar: GrammarSpec | None = None,
 ) -> GenerateRequest:
     """Build a GenerateRequest (a fresh rid when none is given). Ranges are checked by the server."""
     if (prompt is None) == (input_ids is None):
@@ -194,6 +198,7 @@ def make_request(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs,
+        grammar=grammar,
     )
     return GenerateRequest(
         rid=rid or uuid.uuid4().hex,

@@ -135,6 +135,8 @@ class GrammarState:
             self.error = "grammar: the worker missed output tokens (no history at reset)"
             return
         new = tokens[first - start :].tolist()
+        if len(new) > 1:  # outputs fed again: a recomputed sequence (retraction, restart)
+            log.info("grammar matcher fed %d output tokens at once (a recomputed sequence)", len(new))
         self.seen += len(new)
         self.pending.extend(new)
         if self.matcher is not None:

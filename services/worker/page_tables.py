@@ -9,6 +9,7 @@ step costs what changed, not the context length.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,8 @@ from himamba.common.types import SamplingParams
 from himamba.common.wire import WireError
 from himamba.services.worker.grammar_masks import GrammarCompiler, GrammarState
 from himamba.services.worker.penalties import PenaltyState
+
+log = logging.getLogger("himamba.worker")
 
 
 @dataclass
@@ -78,6 +81,7 @@ class PageTables:
             if len(plan.history) != plan.prefix_len:
                 raise WireError(f"{plan.rid}: a constrained sequence reset past its prompt needs its history")
             g.feed(0, torch.tensor(plan.history, dtype=torch.int64))
+            log.info("%s: grammar matcher rebuilt from %d output tokens", plan.rid, g.seen)
         return g
 
     def update(self, plan: SeqPlan, new_pages: torch.Tensor) -> SeqState:

@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -214,3 +215,43 @@ def test_without_a_tokenizer_json_a_constrained_row_fails_with_the_reason(vocab,
         assert "tokenizer.json" in masks.errors[0]
     finally:
         c.close()
+
+
+def test_a_reset_past_the_prompt_rebuilds_the_matcher_from_the_history_it_is_sent(compiler, tok, vocab):
+    # What the worker gets when a retracted (or requeued) constrained request is re-admitted with
+    # part of its output served from the prefix cache: a fresh table, its history, then new tokens.
+    from himamba.common.messages import SeqPlan
+    from himamba.common.wire import WireError
+    from himamba.services.worker.page_tables import PageTables
+
+    spec = GrammarSpec(kind="regex", spec="[0-9]{6}")
+    prompt = [5, 6, 7]
+    digits = [tok.token_to_id(c) for c in "1234"]
+    sampling = SamplingParams(grammar=spec)
+    tables = PageTables(page_size=4, num_pages=8, vocab_size=vocab, device=torch.device("cpu"), grammars=compiler)
+    prefix = len(prompt) + 3  # three outputs cached, the fourth is this step's new token
+    plan = SeqPlan(
+        "r", prefix_len=prefix, new_len=1, state_slot=0, reset=True, num_new_pages=2, sampling=sampling,
+        history=prompt + digits[:3], num_prompt=len(prompt),
+    )  # fmt: skip
+    state = tables.update(plan, torch.tensor([0, 1]))
+    assert state.grammar is not None
+    state.grammar.feed(prefix, torch.tensor(digits[3:]))
+    assert {tok.decode([t]) for t in _allowed(compiler, state.grammar, vocab)} == set("0123456789")
+    state.grammar.feed(prefix + 1, torch.tensor([digits[0], digits[1]]))  # six digits: complete
+    assert _allowed(compiler, state.grammar, vocab) == {EOS}
+    without_history = msgspec.structs.replace(plan, history=[])
+    with pytest.raises(WireError, match="needs its history"):
+        tables.update(without_history, torch.tensor([0, 1]))
+
+
+def test_the_scheduler_sends_a_constrained_sequence_its_history_only_past_its_prompt():
+    from himamba.services.scheduler.request import Req
+    from himamba.services.scheduler.worker_batch import _needs_history
+
+    constrained = SamplingParams(grammar=GrammarSpec(kind="regex", spec="[0-9]+"))
+    req = Req("r", [1, 2, 3], constrained, max_tokens=10, eos_ids=frozenset({0}), output_ids=[4, 5])
+    assert not _needs_history(req, 3)  # the prompt alone is cached: the outputs are fed as new tokens
+    assert _needs_history(req, 4)
+    plain = Req("p", [1, 2, 3], SamplingParams(), max_tokens=10, eos_ids=frozenset({0}), output_ids=[4, 5])
+    assert not _needs_history(plain, 4)
