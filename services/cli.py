@@ -225,6 +225,7 @@ def _bench(argv: list[str]) -> int:
         "forward": "himamba.services.worker.bench_forward",
         "kernels": "himamba.services.worker.bench_kernels",
         "multiturn": "himamba.services.bench.multiturn",
+        "structured": "himamba.services.bench.structured",
     }
     if not argv or argv[0] not in benches:
         print(f"usage: himamba bench {{{','.join(benches)}}} [options]", file=sys.stderr)

@@ -19,6 +19,7 @@ and the masks of one with some are computed and applied for those rows only.
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -31,7 +32,9 @@ from himamba.common.grammar import make_tokenizer, new_matcher
 from himamba.common.types import GrammarSpec
 
 log = logging.getLogger("himamba.worker")
-TEMPLATE_CACHE_SIZE = 64  # grammars kept built (a template is the grammar plus its lexer cache)
+TEMPLATE_CACHE_SIZE = 64
+PARALLEL_MIN_ROWS = 8
+PARALLEL_MIN_CORES = 8  # grammars kept built (a template is the grammar plus its lexer cache)
 
 
 class GrammarCompiler:
@@ -46,6 +49,9 @@ class GrammarCompiler:
         self._tokenizer: Future[llguidance.LLTokenizer] | None = None
         self._templates: OrderedDict[tuple[str, str], Future[llguidance.LLMatcher]] = OrderedDict()
         self._executor: llguidance.LLExecutor | None = None
+        # Masks of this many rows or more are computed by llguidance's thread pool. Its threads
+        # spin between batches and steal the model's cores on small machines: only with cores to spare.
+        self.parallel_min_rows = PARALLEL_MIN_ROWS if (os.cpu_count() or 1) >= PARALLEL_MIN_CORES else 0
         self.builds = 0  # grammars built (tests and logs)
 
     def prepare(self, spec: GrammarSpec) -> Future[llguidance.LLMatcher]:
@@ -98,9 +104,14 @@ class GrammarCompiler:
             else:
                 work.append((matcher, k))
         if work:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor()
-            self._executor.unsafe_compute_mask_ptr(work, bitmask.data_ptr(), words * 4, len(rows))
+            if self.parallel_min_rows and len(work) >= self.parallel_min_rows:
+                if self._executor is None:
+                    self._executor = llguidance.LLExecutor()
+                self._executor.unsafe_compute_mask_ptr(work, bitmask.data_ptr(), words * 4, len(rows))
+            else:
+                base = bitmask.data_ptr()
+                for matcher, k in work:
+                    matcher.unsafe_compute_mask_ptr(base + k * words * 4, words * 4)
             empty = (bitmask == 0).all(dim=1).tolist()
             for matcher, k in work:
                 if matcher.is_error():  # a mask the grammar could not compute: the row fails alone
@@ -172,9 +183,11 @@ class GrammarMasks(NamedTuple):
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` [B, V] float32 with every disallowed token of a constrained row at -inf (in place)."""
         allowed = unpack_bitmask(self.bitmask.to(logits.device, non_blocking=True), logits.shape[1])
+        if len(self.rows) == logits.shape[0]:  # every row constrained (rows are in order)
+            return logits.masked_fill_(~allowed, float("-inf"))
         idx = torch.tensor(self.rows, dtype=torch.int64, device=logits.device)
-        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
-        return logits
+        # index_copy_, not `logits[idx] = ...`: index_put is far slower on CPU
+        return logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill_(~allowed, float("-inf")))
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

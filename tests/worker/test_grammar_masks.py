@@ -255,3 +255,20 @@ def test_the_scheduler_sends_a_constrained_sequence_its_history_only_past_its_pr
     assert _needs_history(req, 4)
     plain = Req("p", [1, 2, 3], SamplingParams(), max_tokens=10, eos_ids=frozenset({0}), output_ids=[4, 5])
     assert not _needs_history(plain, 4)
+
+
+def test_masks_computed_in_parallel_equal_those_computed_one_by_one(compiler, vocab):
+    specs = [GrammarSpec(kind="regex", spec=r"[0-9]{2}x"), GrammarSpec(kind="json_object"), GrammarSpec(kind="choice", spec='["yes"]')]
+    states = [compiler.state(specs[i % 3], num_prompt=1) for i in range(6)]
+    for g in states:
+        g.feed(0, torch.tensor([4]))
+    before = compiler.parallel_min_rows
+    try:
+        compiler.parallel_min_rows = 0
+        one_by_one = compiler.masks([None, *states], vocab)
+        compiler.parallel_min_rows = 2
+        parallel = compiler.masks([None, *states], vocab)
+    finally:
+        compiler.parallel_min_rows = before
+    assert one_by_one.rows == parallel.rows == list(range(1, 7))
+    assert torch.equal(one_by_one.bitmask, parallel.bitmask)
