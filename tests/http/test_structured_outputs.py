@@ -114,6 +114,16 @@ def test_every_json_schema_output_validates_and_stops(client, model, i):
     assert choice.finish_reason == "stop", (style, text)
 
 
+def test_response_format_works_on_completions_too(client, model):
+    schema = SCHEMAS[3]
+    out = client.completions.create(
+        model=model, prompt="color = ", max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(out.choices[0].text), schema)
+    assert out.choices[0].finish_reason == "stop"
+
+
 def test_json_object_output_is_a_json_object_prefix_or_object(client, model):
     # {"type": "object"} is unbounded, so a random model may run out of tokens; what it wrote is
     # the start of a JSON object with no free whitespace, and a finished one parses.

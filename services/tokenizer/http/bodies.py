@@ -71,7 +71,6 @@ class ChatBody(_Body, frozen=True, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # extension (vLLM)
     continue_final_message: bool = False  # extension (vLLM)
     documents: list[dict[str, Any]] | None = None  # extension (vLLM): for RAG templates

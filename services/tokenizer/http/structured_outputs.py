@@ -2,7 +2,7 @@
 
 Accepted, on /v1/completions and /v1/chat/completions alike:
 - OpenAI: `response_format` `{"type": "json_object"}` / `{"type": "json_schema", "json_schema":
-  {"name", "schema", "strict"}}` (chat; `text` means no constraint);
+  {"name", "schema", "strict"}}` (`text` means no constraint; on completions too, as vLLM);
 - vLLM: `structured_outputs` `{json | regex | choice | grammar | json_object}` and the older
   `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`;
 - sglang: `json_schema`, `regex`, `ebnf`.
@@ -27,6 +27,7 @@ _CHECKS = GrammarChecks()  # the grammar on its own; the front door checks it ag
 class StructuredOutputFields(msgspec.Struct, frozen=True, kw_only=True):
     """The request fields that constrain the output (a base of both request bodies)."""
 
+    response_format: dict[str, Any] | None = None  # OpenAI (vLLM takes it on completions too)
     structured_outputs: dict[str, Any] | None = None  # vLLM
     guided_json: dict[str, Any] | str | None = None  # vLLM (older)
     guided_regex: str | None = None
@@ -109,9 +110,8 @@ def grammar_of(body: StructuredOutputFields) -> GrammarSpec | None:
     """The one constraint a body asks for (None: unconstrained); ApiError 400 naming the field
     when there are several, or the one given does not build."""
     found: list[tuple[str, GrammarSpec]] = []
-    rf = getattr(body, "response_format", None)  # chat only (OpenAI)
-    if rf is not None:
-        got = _response_format(rf)
+    if body.response_format is not None:
+        got = _response_format(body.response_format)
         if got is not None:
             found.append(got)
     if body.structured_outputs is not None:
