@@ -7,6 +7,7 @@ import getpass
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -252,6 +253,41 @@ def test_any_killed_service_comes_back_and_serving_resumes(supervised: Supervise
     assert stats.invariants_ok, stats.invariants_error
     assert stats.free_pages + stats.cached_pages == stats.total_pages, stats
     assert stats.free_slots + stats.cached_slots == stats.total_slots, stats
+
+
+def test_a_constrained_request_survives_a_worker_restart(supervised: Supervised):
+    """kill -9 of the worker while a request constrained by a regex runs: the request is requeued,
+    the new worker rebuilds its matcher from the tokens so far, and the output still matches."""
+    supervised.wait_serving("def again(z):", timeout_s=120)
+    pattern = "[0-9]{1500}"  # 750 to 1500 tokens of the demo vocabulary: still running at the kill
+    outcome: list[dict] = []
+
+    def run() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", supervised.port, timeout=170)
+        try:
+            body = {"prompt": "digits:", "max_tokens": 2000, "temperature": 0, "guided_regex": pattern}
+            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            outcome.append({"status": resp.status, **json.loads(resp.read())})
+        finally:
+            conn.close()
+
+    running = threading.Thread(target=run)
+    running.start()
+    time.sleep(1.0)
+    old = supervised.pid("worker")
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while supervised.pid("worker") in (0, old):
+        assert time.monotonic() < deadline, "supervisord did not restart the worker"
+        time.sleep(0.2)
+    running.join(timeout=180)
+    assert not running.is_alive(), "the request running through the kill never ended"
+    (got,) = outcome
+    assert got["status"] == 200, got
+    (choice,) = got["choices"]
+    assert re.fullmatch(pattern, choice["text"]) and choice["finish_reason"] == "stop", choice
+    assert "grammar matcher" in supervised.log("worker")  # rebuilt from the tokens so far
 
 
 def test_sigterm_stops_every_service_cleanly(supervised: Supervised):
