@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Callable
 from threading import Lock
-from typing import Any, Callable
+from typing import Any
 
 import llguidance
 
@@ -113,10 +114,11 @@ class GrammarChecks:
                 self._seen.move_to_end(key)
         if error is None:
             error = self._compute(spec)
-            with self._lock:
-                self._seen[key] = error
-                while len(self._seen) > self.size:
-                    self._seen.popitem(last=False)
+            if self._make_tokenizer is None or self._tokenizer is not None:  # a verdict on the spec itself
+                with self._lock:
+                    self._seen[key] = error
+                    while len(self._seen) > self.size:
+                        self._seen.popitem(last=False)
         if error:
             raise ValueError(error)
 
@@ -130,7 +132,10 @@ class GrammarChecks:
             return messages[0] if is_error else ""
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = self._make_tokenizer()
+                try:
+                    self._tokenizer = self._make_tokenizer()
+                except (ValueError, RuntimeError, OSError) as e:  # not cached: a fixed file is read again
+                    return f"structured outputs are not available with this model's tokenizer ({e})"
             tokenizer = self._tokenizer
         m = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=parser_limits())
         return m.get_error() if m.is_error() else ""

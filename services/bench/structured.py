@@ -56,7 +56,9 @@ RECORD = {
 # run decodes exactly its budget, as the unconstrained one (greedy, ignore_eos) does.
 GRAMMARS: dict[str, GrammarSpec | None] = {
     "unconstrained": None,
-    "json_schema": GrammarSpec(kind="json_schema", spec=json.dumps({"type": "array", "items": RECORD, "minItems": 1000})),
+    "json_schema": GrammarSpec(
+        kind="json_schema", spec=json.dumps({"type": "array", "items": RECORD, "minItems": 1000})
+    ),
     "regex": GrammarSpec(kind="regex", spec="([a-z]{1,8} ){1000,}"),
 }
 
@@ -119,7 +121,7 @@ def worker_side_us(tokenizer_json: Path, vocab: int, eos: list[int], grammar: Gr
                 g.feed(1 + step, torch.tensor([t]))
             t4 = time.perf_counter()
             if any(g.error for g in states):
-                raise RuntimeError(f"a matcher failed: {[g.error for g in states if g.error][0]}")
+                raise RuntimeError(f"a matcher failed: {next(g.error for g in states if g.error)}")
             mask_us.append((t1 - t0) * 1e6)
             apply_us.append((t2 - t1) * 1e6)
             feed_us.append((t4 - t3) * 1e6)
@@ -163,8 +165,10 @@ def _run(args: argparse.Namespace, batches: list[int], names: list[str], work: P
     printed = [
         machine.line(),
         model_info.line(),
-        f"workload: batches {batches}, prompt {args.prompt_len} tokens, {args.gen} decoded tokens per request, "
-        f"greedy, median of {args.repeats} runs after a warm-up",
+        (
+            f"workload: batches {batches}, prompt {args.prompt_len} tokens, {args.gen} decoded tokens per request, "
+            f"greedy, median of {args.repeats} runs after a warm-up"
+        ),
         f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (a loaded machine's figures are noisy)",
     ]
     for line in printed:
@@ -208,13 +212,19 @@ def _run(args: argparse.Namespace, batches: list[int], names: list[str], work: P
     for r in rows:
         r["vs_unconstrained"] = round(r["tokens_per_s"] / base[r["batch"]], 3) if r["batch"] in base else None
     table = [
-        f"{'batch':>5}  {'grammar':<14} {'tokens':>7} {'tok/s':>9} {'ms/step':>8} {'vs unconstrained':>17}"
-        f" {'worker us/step: mask':>21} {'apply':>6} {'feed':>6}"
+        (
+            f"{'batch':>5}  {'grammar':<14} {'tokens':>7} {'tok/s':>9} {'ms/step':>8} {'vs unconstrained':>17}"
+            f" {'worker us/step: mask':>21} {'apply':>6} {'feed':>6}"
+        )
     ]
     for r in rows:
         ratio = f"{r['vs_unconstrained']:.3f}x" if r["vs_unconstrained"] is not None else "-"
         w = r.get("worker_side")
-        side = f" {w['mask_us']:>21.0f} {w['apply_us']:>6.0f} {w['feed_us']:>6.0f}" if w else f" {'-':>21} {'-':>6} {'-':>6}"
+        side = (
+            f" {w['mask_us']:>21.0f} {w['apply_us']:>6.0f} {w['feed_us']:>6.0f}"
+            if w
+            else f" {'-':>21} {'-':>6} {'-':>6}"
+        )
         table.append(
             f"{r['batch']:>5}  {r['grammar']:<14} {r['tokens']:>7} {r['tokens_per_s']:>9.1f} "
             f"{r['ms_per_token_per_seq']:>8.2f} {ratio:>17}{side}"
@@ -228,9 +238,12 @@ def _run(args: argparse.Namespace, batches: list[int], names: list[str], work: P
         "machine": machine._asdict(),
         "model": model_info._asdict(),
         "workload": {
-            "batches": batches, "prompt_len": args.prompt_len, "gen": args.gen, "repeats": args.repeats,
+            "batches": batches,
+            "prompt_len": args.prompt_len,
+            "gen": args.gen,
+            "repeats": args.repeats,
             "grammars": {n: (None if GRAMMARS[n] is None else GRAMMARS[n].kind) for n in names},
-        },  # fmt: skip
+        },
         "printed": [*printed, *table],
         "results": rows,
     }

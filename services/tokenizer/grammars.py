@@ -8,8 +8,8 @@ is then told to build it too (`PrepareGrammar`), so the request's first step fin
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import llguidance
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import llguidance
 import torch
@@ -40,7 +41,9 @@ PARALLEL_MIN_CORES = 8  # grammars kept built (a template is the grammar plus it
 class GrammarCompiler:
     """Builds template matchers in a background thread, once per (kind, spec) while cached."""
 
-    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: list[int], size: int = TEMPLATE_CACHE_SIZE):
+    def __init__(
+        self, tokenizer_json: Path, vocab_size: int, eos_token_ids: list[int], size: int = TEMPLATE_CACHE_SIZE
+    ):
         self.tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)

@@ -181,8 +181,10 @@ def test_ebnf_grammar_output_matches(client, model):
 def test_streamed_output_equals_its_non_streamed_twin_and_validates(client, model):
     schema = SCHEMAS[19]
     rf = {"type": "json_schema", "json_schema": {"name": "user", "schema": schema}}
-    kw: dict[str, Any] = dict(model=model, messages=[{"role": "user", "content": "a user"}], max_tokens=MAX_TOKENS,
-                              temperature=1.0, seed=7, response_format=rf)  # fmt: skip
+    kw: dict[str, Any] = {
+        "model": model, "messages": [{"role": "user", "content": "a user"}], "max_tokens": MAX_TOKENS,
+        "temperature": 1.0, "seed": 7, "response_format": rf,
+    }  # fmt: skip
     whole = client.chat.completions.create(**kw)
     text, reasons = "", []
     for chunk in client.chat.completions.create(stream=True, **kw):
@@ -229,8 +231,9 @@ def test_a_repeated_prompt_hits_the_prefix_cache_and_still_follows_the_grammar(c
     prompt = "The quick brown fox jumps over the lazy dog. " * 8
     schema = SCHEMAS[3]
     outs = [
-        client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                  extra_body={"guided_json": schema})  # fmt: skip
+        client.completions.create(
+            model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"guided_json": schema}
+        )
         for _ in range(2)
     ]
     details = outs[1].usage.prompt_tokens_details
@@ -241,7 +244,7 @@ def test_a_repeated_prompt_hits_the_prefix_cache_and_still_follows_the_grammar(c
 
 def test_unconstrained_requests_beside_constrained_ones_are_unchanged(client, model):
     # Greedy text without a grammar is the same whether or not constrained requests ran.
-    kw: dict[str, Any] = dict(model=model, prompt="def main():", max_tokens=12, temperature=0)
+    kw: dict[str, Any] = {"model": model, "prompt": "def main():", "max_tokens": 12, "temperature": 0}
     before = client.completions.create(**kw).choices[0].text
     client.completions.create(model=model, prompt="x", max_tokens=20, extra_body={"guided_regex": "[0-9]{3}"})
     assert client.completions.create(**kw).choices[0].text == before

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -258,7 +257,11 @@ def test_the_scheduler_sends_a_constrained_sequence_its_history_only_past_its_pr
 
 
 def test_masks_computed_in_parallel_equal_those_computed_one_by_one(compiler, vocab):
-    specs = [GrammarSpec(kind="regex", spec=r"[0-9]{2}x"), GrammarSpec(kind="json_object"), GrammarSpec(kind="choice", spec='["yes"]')]
+    specs = [
+        GrammarSpec(kind="regex", spec=r"[0-9]{2}x"),
+        GrammarSpec(kind="json_object"),
+        GrammarSpec(kind="choice", spec='["yes"]'),
+    ]
     states = [compiler.state(specs[i % 3], num_prompt=1) for i in range(6)]
     for g in states:
         g.feed(0, torch.tensor([4]))

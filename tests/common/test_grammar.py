@@ -1,0 +1,75 @@
+"""common/grammar.py: a GrammarSpec as an llguidance grammar, and the front door's cached checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from himamba.common.grammar import GrammarChecks, grammar_text, make_tokenizer, new_matcher
+from himamba.common.types import GrammarSpec
+from tests.worker.test_grammar_masks import EOS, _tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return _tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def vocab(tok):
+    return tok.get_vocab_size()
+
+
+@pytest.mark.parametrize(
+    "spec,why",
+    [
+        (GrammarSpec(kind="json_schema", spec="{nope"), "not valid JSON"),
+        (GrammarSpec(kind="json_schema", spec="[1]"), "must be an object"),
+        (GrammarSpec(kind="json_schema", spec='{"type": "objekt"}'), "objekt"),
+        (GrammarSpec(kind="regex", spec=""), "non-empty"),
+        (GrammarSpec(kind="choice", spec="[]"), "non-empty list of strings"),
+        (GrammarSpec(kind="choice", spec='["a", 1]'), "list of strings"),
+        (GrammarSpec(kind="choice", spec='["a", ""]'), "non-empty string"),
+        (GrammarSpec(kind="ebnf", spec="  "), "non-empty"),
+        (GrammarSpec(kind="ebnf", spec="root ::= undefined_rule"), "undefined_rule"),
+        (GrammarSpec(kind="regex", spec="x" * (1 << 20 + 1)), "characters"),
+    ],
+)
+def test_each_kind_refuses_what_cannot_be_built_with_the_reason(spec, why):
+    with pytest.raises(ValueError, match=why):
+        GrammarChecks().check(spec)
+
+
+def test_json_has_no_free_whitespace_and_choice_is_exact(tok, vocab):
+    t = make_tokenizer(tok.to_str(), vocab, [EOS])
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    m = new_matcher(GrammarSpec(kind="json_schema", spec=json.dumps(schema)), t)
+    assert m.validate_tokens(tok.encode('{"a": 1}').ids) < len(tok.encode('{"a": 1}').ids)  # the space is refused
+    assert m.validate_tokens(tok.encode('{"a":1}').ids) == len(tok.encode('{"a":1}').ids)
+    c = new_matcher(GrammarSpec(kind="choice", spec='["yes", "no ☺"]'), t)
+    assert c.consume_tokens(tok.encode("no ☺").ids) and c.is_accepting()
+    assert "start:" in grammar_text(GrammarSpec(kind="choice", spec='["a"]'))
+
+
+def test_front_door_checks_are_cached_and_a_missing_tokenizer_is_an_error_not_a_crash(tok, vocab):
+    made = []
+
+    def tokenizer():
+        made.append(1)
+        return make_tokenizer(tok.to_str(), vocab, [EOS])
+
+    checks = GrammarChecks(tokenizer, size=4)
+    checks.check(GrammarSpec(kind="regex", spec="[0-9]+"))
+    checks.check(GrammarSpec(kind="regex", spec="[0-9]+"))
+    with pytest.raises(ValueError, match="unclosed group"):
+        checks.check(GrammarSpec(kind="regex", spec="a(b"))
+    assert made == [1]  # one tokenizer for every check
+
+    def missing():
+        raise OSError("no tokenizer.json")
+
+    broken = GrammarChecks(missing)
+    for _ in range(2):  # not cached: the file may be fixed
+        with pytest.raises(ValueError, match="not available with this model's tokenizer"):
+            broken.check(GrammarSpec(kind="regex", spec="[0-9]+"))
