@@ -282,3 +282,25 @@ def test_what_cannot_be_built_is_a_400_naming_the_field(client, model, route, ex
     body = err.value.body
     assert isinstance(body, dict) and body["param"] == param, body
     assert param in body["message"]
+
+
+def test_sglang_generate_takes_a_constraint_in_its_sampling_params(live_server):
+    for sp, check in [
+        ({"regex": "[a-c]{4}"}, lambda t: re.fullmatch("[a-c]{4}", t)),
+        ({"json_schema": json.dumps(SCHEMAS[1])}, lambda t: jsonschema.validate(json.loads(t), SCHEMAS[1]) is None),
+        ({"ebnf": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),
+    ]:
+        out = live_server.post_json("/generate", {"text": "q:", "sampling_params": {"max_new_tokens": 40, **sp}})
+        assert check(out["text"]), (sp, out["text"])
+        assert out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_sglang_generate_refuses_a_bad_constraint_naming_it(live_server):
+    from tests.http_request import http_request
+
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {live_server.api_key}"}
+    for sp, param in [({"regex": "a(b"}, "regex"), ({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf")]:
+        body = json.dumps({"text": "q:", "sampling_params": {"max_new_tokens": 4, **sp}}).encode()
+        r = http_request(live_server.port, "POST", "/generate", body, headers)
+        assert r.status == 400, r.body
+        assert r.json()["error"]["param"] == param

@@ -39,6 +39,7 @@ from himamba.common.types import SamplingParams, Usage
 from himamba.services.tokenizer.generation_defaults import SamplingDefaults
 from himamba.services.tokenizer.http.connections import read_body
 from himamba.services.tokenizer.http.errors import ApiError, param_of_message
+from himamba.services.tokenizer.http.structured_outputs import sglang_sampling_grammar
 from himamba.services.tokenizer.local_clients import ReplyStream
 from himamba.services.tokenizer.peers import Readiness
 
@@ -96,6 +97,10 @@ class SamplingBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    # structured outputs (structured_outputs.py): at most one
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class GenerateBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -224,6 +229,7 @@ def _sampling(body: GenerateBody, defaults: Mapping[str, float | int]) -> Sampli
         presence_penalty=sp.presence_penalty,
         n=sp.n,
         logprobs=body.return_logprob,
+        grammar=sglang_sampling_grammar(sp),
     )
 
 

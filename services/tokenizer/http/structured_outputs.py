@@ -5,7 +5,7 @@ Accepted, on /v1/completions and /v1/chat/completions alike:
   {"name", "schema", "strict"}}` (`text` means no constraint; on completions too, as vLLM);
 - vLLM: `structured_outputs` `{json | regex | choice | grammar | json_object}` and the older
   `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`;
-- sglang: `json_schema`, `regex`, `ebnf`.
+- sglang: `json_schema`, `regex`, `ebnf` (and in /generate's `sampling_params`).
 
 At most one constraint per request. A malformed or unbuildable one is a 400 naming its field.
 """
@@ -128,6 +128,21 @@ def grammar_of(body: StructuredOutputFields) -> GrammarSpec | None:
         value = getattr(body, field)
         if value is not None:
             found.append((field, _spec(kind, value, field)))  # type: ignore[arg-type]
+    return _one(found)
+
+
+def sglang_sampling_grammar(sampling_params: Any) -> GrammarSpec | None:
+    """The constraint of sglang's /generate `sampling_params` (`json_schema` as text, `regex`,
+    `ebnf`); ApiError 400 naming the field as `grammar_of` does."""
+    found: list[tuple[str, GrammarSpec]] = []
+    for name, kind in (("json_schema", "json_schema"), ("regex", "regex"), ("ebnf", "ebnf")):
+        value = getattr(sampling_params, name)
+        if value is not None:
+            found.append((name, _spec(kind, value, name)))  # type: ignore[arg-type]
+    return _one(found)
+
+
+def _one(found: list[tuple[str, GrammarSpec]]) -> GrammarSpec | None:
     if not found:
         return None
     if len(found) > 1:
