@@ -74,7 +74,7 @@ def test_generate_streams_cumulative_text_then_done(harness: Harness):
 
 def test_generate_refuses_what_it_cannot_honour_naming_the_field(harness: Harness):
     cases = [
-        ({"text": "x", "sampling_params": {"json_schema": "{}"}}, "json_schema"),
+        ({"text": "x", "sampling_params": {"json_schema": "{nope"}}, "json_schema"),  # not valid JSON
         ({"text": "x", "lora_path": "a"}, "lora_path"),
         ({"text": "x", "sampling_params": {"min_new_tokens": 3}}, "min_new_tokens"),
         ({"text": "x", "sampling_params": {"skip_special_tokens": False}}, "skip_special_tokens"),
