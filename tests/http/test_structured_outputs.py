@@ -304,3 +304,12 @@ def test_sglang_generate_refuses_a_bad_constraint_naming_it(live_server):
         r = http_request(live_server.port, "POST", "/generate", body, headers)
         assert r.status == 400, r.body
         assert r.json()["error"]["param"] == param
+
+
+def test_each_prompt_of_a_batch_follows_the_grammar(client, model):
+    out = client.completions.create(
+        model=model, prompt=["first:", "second:", "third:"], max_tokens=10, temperature=1.0, seed=1, n=2,
+        extra_body={"guided_choice": ["up", "down"]},
+    )  # fmt: skip
+    assert sorted(c.index for c in out.choices) == list(range(6))
+    assert all(c.text in ("up", "down") and c.finish_reason == "stop" for c in out.choices)
