@@ -11,6 +11,7 @@ spend its token budget on spaces, so a bounded schema bounds the output.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import OrderedDict
 from collections.abc import Callable
@@ -91,6 +92,11 @@ def new_matcher(spec: GrammarSpec, tokenizer: llguidance.LLTokenizer) -> llguida
     return m
 
 
+def spec_key(spec: GrammarSpec) -> bytes:
+    """A cache key of `spec` whose size does not grow with the spec (specs may be a megabyte)."""
+    return hashlib.sha256(f"{spec.kind}\0{spec.spec}".encode("utf-8", "surrogatepass")).digest()
+
+
 class GrammarChecks:
     """Check specs once: an LRU of (kind, spec) -> error text ("" when valid). Thread-safe."""
 
@@ -102,12 +108,12 @@ class GrammarChecks:
         self._make_tokenizer = tokenizer
         self._tokenizer: llguidance.LLTokenizer | None = None
         self.size = size
-        self._seen: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._seen: OrderedDict[bytes, str] = OrderedDict()
         self._lock = Lock()
 
     def check(self, spec: GrammarSpec) -> None:
         """Raise ValueError (the engine's reason) when `spec` cannot be built."""
-        key = (spec.kind, spec.spec)
+        key = spec_key(spec)
         with self._lock:
             error = self._seen.get(key)
             if error is not None:

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import llguidance
 import torch
 
-from himamba.common.grammar import make_tokenizer, new_matcher
+from himamba.common.grammar import make_tokenizer, new_matcher, spec_key
 from himamba.common.types import GrammarSpec
 
 log = logging.getLogger("himamba.worker")
@@ -50,7 +50,7 @@ class GrammarCompiler:
         self.size = size
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._tokenizer: Future[llguidance.LLTokenizer] | None = None
-        self._templates: OrderedDict[tuple[str, str], Future[llguidance.LLMatcher]] = OrderedDict()
+        self._templates: OrderedDict[bytes, Future[llguidance.LLMatcher]] = OrderedDict()
         self._executor: llguidance.LLExecutor | None = None
         # Masks of this many rows or more are computed by llguidance's thread pool. Its threads
         # spin between batches and steal the model's cores on small machines: only with cores to spare.
@@ -59,7 +59,7 @@ class GrammarCompiler:
 
     def prepare(self, spec: GrammarSpec) -> Future[llguidance.LLMatcher]:
         """The template of `spec`, built (or being built) in the background."""
-        key = (spec.kind, spec.spec)
+        key = spec_key(spec)
         got = self._templates.get(key)
         if got is not None:
             self._templates.move_to_end(key)

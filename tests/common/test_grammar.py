@@ -73,3 +73,15 @@ def test_front_door_checks_are_cached_and_a_missing_tokenizer_is_an_error_not_a_
     for _ in range(2):  # not cached: the file may be fixed
         with pytest.raises(ValueError, match="not available with this model's tokenizer"):
             broken.check(GrammarSpec(kind="regex", spec="[0-9]+"))
+
+
+def test_a_lone_surrogate_anywhere_is_a_value_error_not_a_crash():
+    # JSON escapes can carry lone surrogates into a str; they must end as a 400, like any bad spec.
+    for kind, spec in [
+        ("regex", "\ud800"),
+        ("json_schema", '{"enum": ["\ud800"]}'),
+        ("choice", '["\ud800"]'),
+        ("ebnf", 'root ::= "\ud800"'),
+    ]:
+        with pytest.raises(ValueError):
+            GrammarChecks().check(GrammarSpec(kind=kind, spec=spec))  # type: ignore[arg-type]
