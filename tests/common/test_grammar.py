@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from himamba.common.grammar import GrammarChecks, grammar_text, make_tokenizer, new_matcher
 from himamba.common.types import GrammarSpec
@@ -85,3 +87,20 @@ def test_a_lone_surrogate_anywhere_is_a_value_error_not_a_crash():
     ]:
         with pytest.raises(ValueError):
             GrammarChecks().check(GrammarSpec(kind=kind, spec=spec))  # type: ignore[arg-type]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    kind=st.sampled_from(["json_schema", "json_object", "regex", "choice", "ebnf"]),
+    spec=st.one_of(
+        st.text(max_size=40),
+        st.text(alphabet='{}[]":,0123456789abtypeobjectstringenum\\ ', max_size=60),
+        st.text(alphabet='()[]{}|*+?^$.\\-az09:=" ;', max_size=40),
+    ),
+)
+def test_any_spec_is_accepted_or_a_value_error(kind, spec):
+    # Whatever a client sends, the check answers with a verdict: never another exception.
+    try:
+        GrammarChecks().check(GrammarSpec(kind=kind, spec=spec))
+    except ValueError as e:
+        assert str(e)
