@@ -18,8 +18,10 @@ and the masks of one with some are computed and applied for those rows only.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -160,6 +162,10 @@ class GrammarState:
         """The matcher, up to date with every token fed; waits for its grammar's build if needed.
         None when the grammar failed (`error` says why)."""
         if self.matcher is None and self.error is None:
+            if not self._template.done():  # the build started late (a restart, an evicted template)
+                t0 = time.perf_counter()
+                concurrent.futures.wait([self._template])
+                log.info("a step waited %.1f ms for a grammar build", (time.perf_counter() - t0) * 1000)
             try:
                 self.matcher = self._template.result().deep_copy()
             except (ValueError, RuntimeError, OSError) as e:
