@@ -35,9 +35,9 @@ from himamba.common.grammar import make_tokenizer, new_matcher, spec_key
 from himamba.common.types import GrammarSpec
 
 log = logging.getLogger("himamba.worker")
-TEMPLATE_CACHE_SIZE = 64
-PARALLEL_MIN_ROWS = 8
-PARALLEL_MIN_CORES = 8  # grammars kept built (a template is the grammar plus its lexer cache)
+TEMPLATE_CACHE_SIZE = 64  # grammars kept built (a template is the grammar plus its lexer cache)
+PARALLEL_MIN_ROWS = 8  # see GrammarCompiler.parallel_min_rows
+PARALLEL_MIN_CORES = 8
 
 
 class GrammarCompiler:
@@ -168,7 +168,7 @@ class GrammarState:
                 log.info("a step waited %.1f ms for a grammar build", (time.perf_counter() - t0) * 1000)
             try:
                 self.matcher = self._template.result().deep_copy()
-            except (ValueError, RuntimeError, OSError) as e:
+            except (ValueError, RuntimeError, OSError, TypeError) as e:
                 self.error = f"grammar: {e}"
                 return None
             self._consume()
