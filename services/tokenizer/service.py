@@ -67,11 +67,11 @@ from himamba.services.tokenizer.generation_defaults import (
     load_generation_defaults,
     sent_sampling_fields,
 )
+from himamba.services.tokenizer.grammars import FrontDoorGrammars
 from himamba.services.tokenizer.http.chat_template import (
     ChatTemplate,
     load_chat_template,
 )
-from himamba.services.tokenizer.grammars import FrontDoorGrammars
 from himamba.services.tokenizer.http.server import HttpServer
 from himamba.services.tokenizer.loader import LoadedTokenizer, load_tokenizer
 from himamba.services.tokenizer.local_clients import LocalClients, ReplyStream

@@ -33,8 +33,8 @@ from himamba.common.metrics_report import MetricsReporter
 from himamba.common.transport import Outbox
 from himamba.common.wire import WireError, tensor_ref
 from himamba.services.actor import Actor
-from himamba.services.worker.host_transfer import CopyFaults, HostTransfer, host_layout
 from himamba.services.worker.grammar_masks import GrammarCompiler
+from himamba.services.worker.host_transfer import CopyFaults, HostTransfer, host_layout
 from himamba.services.worker.loader import load_model
 from himamba.services.worker.logprobs import plan_logit_rows, prompt_logprobs, sampled_logprobs
 from himamba.services.worker.memory import plan_pools
