@@ -20,7 +20,7 @@ import asyncio
 import os
 import time
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 from himamba.common.config import Config
 from himamba.common.messages import (
@@ -41,6 +41,7 @@ from himamba.common.messages import (
     Shutdown,
     StopRequest,
     TokenBatch,
+    TokenLogprobs,
     TokenOut,
     ToScheduler,
     WorkerInfo,
@@ -64,6 +65,20 @@ from himamba.services.scheduler.request import Req
 from himamba.services.scheduler.round_trips import Reply, RoundTrips, WorkerRestarted
 from himamba.services.scheduler.stop import check_stop
 from himamba.services.scheduler.worker_batch import build_run_batch
+
+
+class _NewToken(NamedTuple):
+    """A sampled token before its TokenOut is built (after the next RunBatch); a token without
+    logprobs waits as a plain tuple of the first five fields (cheaper to make)."""
+
+    req: Req
+    token: int
+    completion_tokens: int
+    reason: FinishReason | None
+    cached: CachedTokens | None
+    token_lp: list[float] | None = None
+    top_lp: list[TokenLogprobs] | None = None
+    prompt_lp: list[TokenLogprobs] | None = None
 
 
 class SchedulerService(Actor[ToScheduler]):
@@ -108,7 +123,9 @@ class SchedulerService(Actor[ToScheduler]):
         self._dropped: list[str] = []  # requests whose page tables the worker may forget
         self._refused: Admitted | None = None  # the waiting head, when its last admission was refused
         self._in_flight: dict[str, list[captures.Capture]] = {}
-        self._outs: list[TokenOut] = []  # tokens and finishes not yet sent to the front door
+        # Tokens and finishes not yet sent to the front door (a new token as a plain tuple or a
+        # `_NewToken` until `_flush` makes its TokenOut).
+        self._outs: list[Any] = []
 
     # ------------------------------------------------------------ inbox
 
@@ -271,7 +288,27 @@ class SchedulerService(Actor[ToScheduler]):
     async def _flush(self) -> None:
         if self._outs:
             outs, self._outs = self._outs, []
-            await self.tokenizer.send(TokenBatch(outs=outs))
+            await self.tokenizer.send(TokenBatch(outs=[self._token_out(o) for o in outs]))
+
+    @staticmethod
+    def _token_out(
+        out: TokenOut | _NewToken | tuple[Req, int, int, FinishReason | None, CachedTokens | None],
+    ) -> TokenOut:
+        if isinstance(out, TokenOut):
+            return out
+        if not isinstance(out, _NewToken):
+            out = _NewToken(*out)
+        return TokenOut(
+            rid=out.req.rid,
+            token_ids=[out.token],
+            logprobs=out.token_lp,
+            finish_reason=out.reason,
+            prompt_tokens=len(out.req.prompt_ids),
+            completion_tokens=out.completion_tokens,
+            cached=out.cached,
+            top_logprobs=out.top_lp,
+            prompt_logprobs=out.prompt_lp,
+        )
 
     # ------------------------------------------------------------ cache work
 
@@ -421,19 +458,14 @@ class SchedulerService(Actor[ToScheduler]):
                 if req.siblings:
                     self.cache.memory_changed()  # its siblings may now be admitted
             reason = check_stop(req, max_context_len)
-            outs.append(
-                TokenOut(
-                    rid=req.rid,
-                    token_ids=[token],
-                    logprobs=token_lp,
-                    finish_reason=reason,
-                    prompt_tokens=len(req.prompt_ids),
-                    completion_tokens=len(req.output_ids),
-                    cached=None if req.cached_reported else self._cached_once(req),
-                    top_logprobs=top_lp,
-                    prompt_logprobs=logprobs.first_prompt_logprobs(req) if wants_prompt else None,
-                )
-            )
+            # The TokenOut itself is built after the next RunBatch left (`_flush`): only what
+            # the next step depends on (the token, the stop check) is done before it.
+            cached = None if req.cached_reported else self._cached_once(req)
+            if token_lp is None and not wants_prompt:
+                outs.append((req, token, len(req.output_ids), reason, cached))
+            else:
+                prompt_lp = logprobs.first_prompt_logprobs(req) if wants_prompt else None
+                outs.append(_NewToken(req, token, len(req.output_ids), reason, cached, token_lp, top_lp, prompt_lp))
             if reason is not None:
                 self._finish(req, reason, outs, emitted=True)
 

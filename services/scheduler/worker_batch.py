@@ -84,10 +84,18 @@ def build_run_batch(
             req.pages_dirty = _CLEAN
         seqs.append(
             SeqPlan(
-                req.rid, start, n, req.slots[0], req.state_init, req.state_src,
-                [(c.pos - start, c.slot) for c in caps] if caps else _NO_CAPTURES, len(req.output_ids), False,
-                page_start, num_pages - page_start,
-            )  # fmt: skip
+                req.rid,
+                start,
+                n,
+                req.slots[0],
+                req.state_init,
+                req.state_src,
+                [(c.pos - start, c.slot) for c in caps] if caps else _NO_CAPTURES,
+                len(req.output_ids),
+                False,
+                page_start,
+                num_pages - page_start,
+            )
         )
     ids_f, pages_f = IntsFrame(ids), IntsFrame(pages)
     msg = RunBatch(
