@@ -6,9 +6,9 @@ enforce_eager, prefix caching off) in the peer's own Python (`--peer-python`), b
 as the bench has threads, on the same checkpoint, dtype and token ids. Ours runs the worker's step
 (RunBatch -> build_forward_batch -> forward -> sample) over the paged pools.
 
-Every engine is timed the same way: a request of 1 new token (its prefill and first token) and a
-request of N new tokens; prefill tok/s = prompt tokens / t(1), decode tok/s = B (N - 1) /
-(t(N) - t(1)). Runs alternate between the engines (the order rotates every run) so that load from
+Every engine is timed the same way, inside one request of N new tokens: t_first, when every
+sequence has its first new token (the prefill and first sampling), and t, when the request is done;
+prefill tok/s = prompt tokens / t_first, decode tok/s = B (N - 1) / (t - t_first). Runs alternate between the engines (the order rotates every run) so that load from
 other processes hits all of them alike; medians and [min, max] over the runs are printed.
 
 Greedy agreement is checked on each scenario's first sequence, up to the first step where any
@@ -47,9 +47,11 @@ class Scenario:
 
 @dataclass
 class Generated:
-    """One request's outcome: wall seconds, the new tokens, and (when asked) each step's top-2 gap."""
+    """One request's outcome: wall seconds (all of it, and until every sequence's first new token),
+    the new tokens, and (when asked) each step's top-2 gap."""
 
     seconds: float
+    first_seconds: float
     tokens: list[list[int]]
     gaps: list[list[float]] | None = None
 
@@ -85,6 +87,7 @@ class OursGenerate:
         step_gaps: list[list[float]] = [[] for _ in prompts]
         t0 = time.perf_counter()
         tokens = self.engine.step("prefill", seqs, prompts, times)
+        first = time.perf_counter() - t0
         for _ in range(new_tokens):
             if gaps:
                 for g, gap in zip(step_gaps, _top2_gaps(self.engine.last_logits), strict=True):
@@ -96,7 +99,7 @@ class OursGenerate:
             tokens = self.engine.step("decode", seqs, [[t] for t in tokens], times)
         seconds = time.perf_counter() - t0
         self.engine.release(seqs)
-        return Generated(seconds, out, step_gaps if gaps else None)
+        return Generated(seconds, first, out, step_gaps if gaps else None)
 
     def close(self) -> None:
         pass
@@ -116,6 +119,7 @@ class HFGenerate:
     def generate(self, prompts: list[list[int]], new_tokens: int, gaps: bool = False) -> Generated:
         ids = torch.tensor(prompts)
         kwargs: dict[str, Any] = {"output_logits": True, "return_dict_in_generate": True} if gaps else {}
+        stamp = _FirstTokenTime()
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(
@@ -124,6 +128,7 @@ class HFGenerate:
                 do_sample=False,
                 max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens,
+                streamer=stamp,
                 **kwargs,
             )
         seconds = time.perf_counter() - t0
@@ -133,9 +138,28 @@ class HFGenerate:
         if gaps:
             per_step = [_top2_gaps(step) for step in out.logits]  # [steps][B]
             step_gaps = [list(col) for col in zip(*per_step, strict=True)]
-        return Generated(seconds, tokens, step_gaps)
+        assert stamp.at is not None
+        return Generated(seconds, stamp.at - t0, tokens, step_gaps)
 
     def close(self) -> None:
+        pass
+
+
+class _FirstTokenTime:
+    """A transformers streamer that only notes when the first new tokens come out (`generate` hands
+    it the prompt first, then each step's tokens)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.at: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        del value
+        self.calls += 1
+        if self.calls == 2:
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
         pass
 
 
@@ -213,7 +237,12 @@ class VLLMPeer:
         self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": new_tokens, "gaps": gaps}) + "\n")
         self.proc.stdin.flush()
         answer = self._read(600.0)
-        return Generated(float(answer["seconds"]), answer["tokens"], answer["top2_gaps"] if gaps else None)
+        return Generated(
+            float(answer["seconds"]),
+            float(answer["first_seconds"]),
+            answer["tokens"],
+            answer["top2_gaps"] if gaps else None,
+        )
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -297,11 +326,10 @@ def run_scenarios(
         for r in range(runs):
             order = engines[r % len(engines) :] + engines[: r % len(engines)]
             for e in order:
-                first = e.generate(prompts, 1).seconds
-                rates[e.name].prefill.append(sc.batch * sc.prompt_len / first)
+                done = e.generate(prompts, sc.new_tokens)
+                rates[e.name].prefill.append(sc.batch * sc.prompt_len / done.first_seconds)
                 if sc.new_tokens > 1:
-                    whole = e.generate(prompts, sc.new_tokens).seconds
-                    rates[e.name].decode.append(sc.batch * (sc.new_tokens - 1) / max(whole - first, 1e-9))
+                    rates[e.name].decode.append(sc.batch * (sc.new_tokens - 1) / (done.seconds - done.first_seconds))
             progress(f"{sc.name}: run {r + 1}/{runs}")
         results.append(ScenarioResult(sc, rates, agreements))
     return results
@@ -331,7 +359,8 @@ def print_results(out: TextIO, results: list[ScenarioResult], engines: list[str]
             line += f"{_spread(theirs):>22}{statistics.median(ours) / statistics.median(theirs):>7.2f}"
         out.write(line + "\n")
     out.write(
-        "decode tok/s = B (N - 1) / (t(N new tokens) - t(1 new token)); prefill tok/s = B L / t(1 new token).\n"
+        "one request of N new tokens per run: prefill tok/s = B L / t(first new tokens), decode tok/s =\n"
+        "B (N - 1) / (t(done) - t(first new tokens)).\n"
         f"greedy agreement with ours (first sequence of each scenario; compared up to the first step whose\n"
         f"top-2 logit gap is below {near_tie:g} in either engine):\n"
     )

@@ -6,9 +6,12 @@ nothing of himamba, and vLLM is never a dependency of the project. Arguments: on
 (model, dtype, threads, max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_gib).
 Protocol: one JSON object per line each way. The peer first answers {"ready": true, "version": ...};
 then each request {"prompts": [[ids...], ...], "max_tokens": N, "gaps": bool} gets
-{"seconds": wall time of `LLM.generate`, "tokens": [[ids...], ...], "top2_gaps": [[gap per step], ...]}
-(greedy, eos ignored; with "gaps", each step's top-2 logprob difference, equal to its logit
-difference; timed requests leave it off, as a user's would).
+{"seconds": wall time, "first_seconds": time until every sequence had its first new token,
+"tokens": [[ids...], ...], "top2_gaps": [[gap per step], ...]} (greedy, eos ignored; with "gaps", each
+step's top-2 logprob difference, equal to its logit difference; timed requests leave it off, as a
+user's would). The requests run through vLLM's engine loop exactly as `LLM.generate` does (add the
+requests, `step()` until none is unfinished), with outputs as deltas so that the first tokens' time is
+seen; vLLM's own generate loop is the same minus that time stamp.
 vLLM's own logging goes to stderr: the fd the bench reads answers on is a private copy of stdout.
 """
 
@@ -41,6 +44,7 @@ def main() -> int:
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
 
     llm = LLM(
         model=args["model"],
@@ -54,6 +58,7 @@ def main() -> int:
         skip_tokenizer_init=True,
     )
     answers.write(json.dumps({"ready": True, "version": vllm.__version__}) + "\n")
+    served = 0
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -64,21 +69,36 @@ def main() -> int:
             ignore_eos=True,
             logprobs=2 if request.get("gaps") else None,
             detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
         )
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
+        engine = llm.llm_engine
+        prompts = request["prompts"]
+        tokens: list[list[int]] = [[] for _ in prompts]
+        gaps: list[list[float]] = [[] for _ in prompts]
         t0 = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        first_seconds = None
+        ids = {f"r{served}_{i}": i for i in range(len(prompts))}
+        for rid, i in ids.items():
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=prompts[i]), params)
+        served += 1
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                # vLLM may extend a request id with a suffix of its own.
+                i = ids.get(out.request_id)
+                if i is None:
+                    i = next(v for k, v in ids.items() if out.request_id.startswith(k + "-"))
+                completion = out.outputs[0]
+                tokens[i] += completion.token_ids
+                for step in completion.logprobs or []:
+                    top = sorted((lp.logprob for lp in step.values()), reverse=True)
+                    gaps[i].append(top[0] - top[1] if len(top) > 1 else float("inf"))
+            if first_seconds is None and all(tokens):
+                first_seconds = time.perf_counter() - t0
         seconds = time.perf_counter() - t0
-        tokens, gaps = [], []
-        for out in outputs:
-            completion = out.outputs[0]
-            tokens.append(list(completion.token_ids))
-            step_gaps = []
-            for step in completion.logprobs or []:
-                top = sorted((lp.logprob for lp in step.values()), reverse=True)
-                step_gaps.append(top[0] - top[1] if len(top) > 1 else float("inf"))
-            gaps.append(step_gaps)
-        answers.write(json.dumps({"seconds": seconds, "tokens": tokens, "top2_gaps": gaps}) + "\n")
+        answers.write(
+            json.dumps({"seconds": seconds, "first_seconds": first_seconds, "tokens": tokens, "top2_gaps": gaps})
+            + "\n"
+        )
     return 0
 
 

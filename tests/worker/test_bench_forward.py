@@ -98,7 +98,7 @@ for line in sys.stdin:
     n = req["max_tokens"]
     gaps = [[1.0] * n for _ in req["prompts"]] if req["gaps"] else None
     toks = [[(p[-1] + i) % 50 for i in range(n)] for p in req["prompts"]]
-    print(json.dumps({"seconds": 0.5, "tokens": toks, "top2_gaps": gaps}), flush=True)
+    print(json.dumps({"seconds": 0.5, "first_seconds": 0.1, "tokens": toks, "top2_gaps": gaps}), flush=True)
 """
 
 
@@ -115,7 +115,8 @@ def test_the_peer_protocol_carries_tokens_gaps_and_times(tmp_path: Path) -> None
     try:
         assert peer.version == "fake"
         got = peer.generate([[3, 4], [9]], 3, gaps=True)
-        assert got.tokens == [[4, 5, 6], [9, 10, 11]] and got.seconds == 0.5 and got.gaps == [[1.0] * 3] * 2
+        assert got.tokens == [[4, 5, 6], [9, 10, 11]] and (got.seconds, got.first_seconds) == (0.5, 0.1)
+        assert got.gaps == [[1.0] * 3] * 2
         assert peer.generate([[1]], 2).gaps is None
     finally:
         peer.close()
