@@ -57,8 +57,8 @@ from himamba.services.worker.layers.mamba2 import Mamba2Mixer
 from himamba.services.worker.layers.moe import RoutedExperts
 from himamba.services.worker.loader import load_model
 from himamba.services.worker.models.base import HybridModel
-from himamba.services.worker.pools import KVPool, StatePool
 from himamba.services.worker.page_tables import PageTables
+from himamba.services.worker.pools import KVPool, StatePool
 from himamba.services.worker.runner import build_forward_batch
 from himamba.services.worker.sampler import sample
 
@@ -626,9 +626,7 @@ def _scenarios(opts: Options) -> list[Scenario]:
     """The generate table's rows: decode at each batch, prefill at each prompt length."""
     if not opts.reference and opts.peer == "none":
         return []
-    decode = [
-        Scenario(f"decode B={b}", "decode", b, opts.gen_prompt, opts.gen_tokens) for b in opts.gen_batches
-    ]
+    decode = [Scenario(f"decode B={b}", "decode", b, opts.gen_prompt, opts.gen_tokens) for b in opts.gen_batches]
     return decode + [Scenario(f"prefill L={n}", "prefill", 1, n, 1) for n in opts.gen_prompt_lens]
 
 

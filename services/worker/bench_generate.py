@@ -382,7 +382,12 @@ def summary(results: list[ScenarioResult]) -> list[dict[str, Any]]:
         }
         for name, rates in res.rates.items():
             values = rates.of(sc.phase)
-            row[name] = {"median_tok_s": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+            row[name] = {
+                "median_tok_s": statistics.median(values),
+                "min": min(values),
+                "max": max(values),
+                "runs": values,
+            }
         ours = statistics.median(res.rates["ours"].of(sc.phase))
         row["ratios"] = {
             name: ours / statistics.median(rates.of(sc.phase)) for name, rates in res.rates.items() if name != "ours"

@@ -96,8 +96,7 @@ def main() -> int:
                 first_seconds = time.perf_counter() - t0
         seconds = time.perf_counter() - t0
         answers.write(
-            json.dumps({"seconds": seconds, "first_seconds": first_seconds, "tokens": tokens, "top2_gaps": gaps})
-            + "\n"
+            json.dumps({"seconds": seconds, "first_seconds": first_seconds, "tokens": tokens, "top2_gaps": gaps}) + "\n"
         )
     return 0
 

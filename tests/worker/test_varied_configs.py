@@ -6,7 +6,6 @@ a weight's shape (refused at load) or the logits."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 from tests.worker import family_checks as checks
 from tests.worker.harness import Harness
-from tests.worker.hf_reference import VARIED_CONFIGS, TINY_CONFIGS, greedy_with_logits, load_reference, save_varied
+from tests.worker.hf_reference import TINY_CONFIGS, VARIED_CONFIGS, greedy_with_logits, load_reference, save_varied
 
 FAMILIES = tuple(VARIED_CONFIGS)
 # Greedy tokens are compared up to the first step whose top-2 logit gap (ours or transformers') is

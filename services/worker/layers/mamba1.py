@@ -105,7 +105,9 @@ class Mamba1Mixer(nn.Module):
             assert batch.state_slots is not None
             slots = batch.state_slots
             conv_state = gather_state_rows(state["conv"], slots)
-            xc = self.conv_act.apply(causal_conv1d_update(xs, conv_state, weight, self.conv1d.bias, self.conv_act.fused))
+            xc = self.conv_act.apply(
+                causal_conv1d_update(xs, conv_state, weight, self.conv1d.bias, self.conv_act.fused)
+            )
             scatter_state_rows(state["conv"], slots, conv_state)
             dt, b, c = self._ssm_inputs(xc)
             ssm = gather_state_rows(state["ssm"], slots)
