@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from himamba.services.worker.forward_batch import ForwardBatch
-from himamba.services.worker.layers.projected_attention import ProjectedAttention
 from himamba.services.worker.layers.partial_rotary import PartialRotaryEmbedding
+from himamba.services.worker.layers.projected_attention import ProjectedAttention
 from himamba.services.worker.layers.rotary import RotaryEmbedding
 
 
