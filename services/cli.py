@@ -226,6 +226,7 @@ def _bench(argv: list[str]) -> int:
         "kernels": "himamba.services.worker.bench_kernels",
         "multiturn": "himamba.services.bench.multiturn",
         "structured": "himamba.services.bench.structured",
+        "serve-overhead": "himamba.services.bench.serve_overhead",
     }
     if not argv or argv[0] not in benches:
         print(f"usage: himamba bench {{{','.join(benches)}}} [options]", file=sys.stderr)

@@ -1,5 +1,6 @@
 """config.json contents for the demo checkpoints of the issue-8 families (Bamba, FalconH1, Qwen3-Next,
-Mamba2, Zamba2, LFM2, Jamba), in the exact schema transformers 5.23 writes for them.
+Mamba2, Zamba2, LFM2, Jamba), in the schema transformers 5.23 writes for them, with the layer-type names
+every release since 5.12 reads (Zamba2's "mamba"; see hf_configs).
 
 Written without importing transformers; tests load each with transformers and compare it with what
 transformers writes back. Only the "tiny" preset exists for these families.
@@ -194,14 +195,8 @@ def zamba2_config(vocab_size: int) -> dict[str, Any]:
         "initializer_range": 0.02,
         "intermediate_size": 128,
         "kv_channels": 16,
-        "layers_block_type": [
-            "linear_attention",
-            "linear_attention",
-            "hybrid",
-            "linear_attention",
-            "linear_attention",
-            "hybrid",
-        ],
+        # The older name "mamba" (see hf_configs): transformers 5.12 rejects "linear_attention" here.
+        "layers_block_type": ["mamba", "mamba", "hybrid", "mamba", "mamba", "hybrid"],
         "mamba_d_conv": 4,
         "mamba_d_state": 16,
         "mamba_expand": 2,

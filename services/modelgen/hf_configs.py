@@ -1,4 +1,7 @@
-"""config.json contents for the demo checkpoints, in the exact schema transformers 5.23 writes.
+"""config.json contents for the demo checkpoints, in the schema transformers 5.23 writes except for the
+layer-type names: we write the older ones ("mamba", "attention", as published checkpoints do), which
+every transformers release since 5.12 (the version sglang pins) reads; 5.12 rejects the newer
+"linear_attention" / "full_attention" that 5.23 writes, and 5.23 maps the older ones onto them.
 
 Written without importing transformers (the server never imports it); tests load the result
 with transformers to keep the two in step. Non-finite floats use transformers' tag form.
@@ -17,7 +20,7 @@ def _nemotron_h_shape(preset: str) -> dict[str, Any]:
     if preset == "tiny":
         return {
             "hidden_size": 64,
-            "layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention", "moe"],
+            "layers_block_type": ["mamba", "mlp", "attention", "mlp", "mamba", "moe"],
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
             "head_dim": 16,
@@ -34,7 +37,7 @@ def _nemotron_h_shape(preset: str) -> dict[str, Any]:
         }
     if preset == "medium":
         pattern = "M-M*M-M*"
-        kinds = {"M": "linear_attention", "-": "mlp", "*": "full_attention"}
+        kinds = {"M": "mamba", "-": "mlp", "*": "attention"}
         return {
             "hidden_size": 512,
             "layers_block_type": [kinds[c] for c in pattern],
@@ -80,7 +83,7 @@ def nemotron_h_config(preset: str, vocab_size: int) -> dict[str, Any]:
         "model_type": "nemotron_h",
         "moe_latent_size": None,
         "moe_shared_expert_overlap": True,
-        "mtp_layers_block_type": ["full_attention", "moe"],
+        "mtp_layers_block_type": ["attention", "moe"],
         "n_group": 1,
         "n_shared_experts": 1,
         "norm_topk_prob": True,
@@ -113,7 +116,7 @@ def granite_hybrid_config(preset: str, vocab_size: int) -> dict[str, Any]:
     """A `GraniteMoeHybridForCausalLM` (Granite-4.0-H, dense) config.json dict."""
     if preset != "tiny":
         raise ValueError(f"preset must be 'tiny' for granite_hybrid, got {preset!r}")
-    layer_types = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
+    layer_types = ["mamba", "attention", "mamba", "mamba"]
     config: dict[str, Any] = {
         "architectures": ["GraniteMoeHybridForCausalLM"],
         "attention_bias": False,

@@ -64,7 +64,7 @@ def nemotron_h_params(config: dict[str, Any]) -> list[ParamSpec]:
     for i, kind in enumerate(config["layers_block_type"]):
         p = f"backbone.layers.{i}"
         specs.append(ParamSpec(f"{p}.norm.weight", (h,), "ones"))
-        if kind == "linear_attention":
+        if kind in ("mamba", "linear_attention"):
             specs += _mamba_params(
                 f"{p}.mixer",
                 h,
@@ -75,7 +75,7 @@ def nemotron_h_params(config: dict[str, Any]) -> list[ParamSpec]:
                 config["conv_kernel"],
                 config["use_conv_bias"],
             )
-        elif kind == "full_attention":
+        elif kind in ("attention", "full_attention"):
             specs += _attention_params(
                 f"{p}.mixer", h, config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
             )
@@ -121,7 +121,7 @@ def granite_hybrid_params(config: dict[str, Any]) -> list[ParamSpec]:
             ParamSpec(f"{p}.shared_mlp.input_linear.weight", (2 * config["shared_intermediate_size"], h), "normal"),
             ParamSpec(f"{p}.shared_mlp.output_linear.weight", (h, config["shared_intermediate_size"]), "normal"),
         ]
-        if kind == "linear_attention":
+        if kind in ("mamba", "linear_attention"):
             specs += _mamba_params(
                 f"{p}.mamba",
                 h,
@@ -132,7 +132,7 @@ def granite_hybrid_params(config: dict[str, Any]) -> list[ParamSpec]:
                 config["mamba_d_conv"],
                 config["mamba_conv_bias"],
             )
-        elif kind == "full_attention":
+        elif kind in ("attention", "full_attention"):
             head_dim = h // config["num_attention_heads"]
             specs += _attention_params(
                 f"{p}.self_attn", h, config["num_attention_heads"], config["num_key_value_heads"], head_dim

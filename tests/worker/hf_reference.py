@@ -218,6 +218,227 @@ TINY_CONFIGS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
 )
 _SPECIAL_IDS = MappingProxyType({"eos_token_id": 0, "bos_token_id": 0, "pad_token_id": 0})
 
+# Per family, overrides of its tiny config that move every dimension transformers reads away from its
+# default and from what the tiny config derives: explicit head dims (not hidden / heads), KV heads,
+# every intermediate size, norm epsilons large enough to matter, rope theta, scaling type and partial
+# rotary, conv kernels, chunk sizes, biases, activations, tied heads. `save_varied` writes them.
+VARIED_CONFIGS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {
+        "NemotronH": {
+            "head_dim": 24,
+            "num_key_value_heads": 1,
+            "intermediate_size": 80,
+            "moe_intermediate_size": 24,
+            "moe_shared_expert_intermediate_size": 40,
+            "layer_norm_epsilon": 0.02,
+            "mamba_num_heads": 6,
+            "mamba_head_dim": 12,
+            "ssm_state_size": 8,
+            "n_groups": 3,
+            "conv_kernel": 3,
+            "chunk_size": 8,
+            "use_conv_bias": False,
+            "use_bias": True,
+            "mlp_bias": True,
+            "mlp_hidden_act": "silu",
+            "mamba_hidden_act": "gelu",
+            "time_step_min": 0.01,
+            "tie_word_embeddings": True,
+            "n_routed_experts": 6,
+            "num_experts_per_tok": 3,
+            "n_group": 3,
+            "topk_group": 2,
+            "norm_topk_prob": False,
+            "routed_scaling_factor": 1.7,
+            "moe_latent_size": 40,
+        },
+        "GraniteMoeHybrid": {
+            "head_dim": 24,
+            "num_key_value_heads": 1,
+            "rms_norm_eps": 0.02,
+            "rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0},
+            "mamba_expand": 3,
+            "mamba_n_heads": 8,
+            "mamba_d_head": 24,
+            "mamba_d_state": 8,
+            "mamba_n_groups": 4,
+            "mamba_d_conv": 3,
+            "mamba_chunk_size": 8,
+            "mamba_conv_bias": False,
+            "mamba_proj_bias": True,
+            "time_step_limit": (0.01, 0.3),
+            "hidden_act": "gelu",
+            "shared_intermediate_size": 80,
+            "intermediate_size": 24,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 3,
+            "attention_bias": True,
+            "tie_word_embeddings": True,
+        },
+        "Bamba": {
+            "head_dim": 24,
+            "num_key_value_heads": 1,
+            "rms_norm_eps": 0.02,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 500.0,
+                "partial_rotary_factor": 0.75,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "beta_fast": 16.0,
+            },
+            "mamba_expand": 3,
+            "mamba_n_heads": 8,
+            "mamba_d_head": 24,
+            "mamba_d_state": 8,
+            "mamba_n_groups": 4,
+            "mamba_d_conv": 3,
+            "mamba_chunk_size": 8,
+            "mamba_conv_bias": False,
+            "mamba_proj_bias": True,
+            "time_step_limit": (0.01, 0.3),
+            "hidden_act": "gelu",
+            "intermediate_size": 80,
+            "mlp_bias": True,
+            "attention_bias": True,
+            "tie_word_embeddings": True,
+        },
+        "FalconH1": {
+            "head_dim": 24,
+            "num_key_value_heads": 1,
+            "rms_norm_eps": 0.02,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 500.0,
+                "factor": 3.0,
+                "original_max_position_embeddings": 48,
+                "attention_factor": 1.3,
+            },
+            "mamba_d_ssm": 96,
+            "mamba_n_heads": 8,
+            "mamba_d_head": 12,
+            "mamba_d_state": 8,
+            "mamba_n_groups": 4,
+            "mamba_d_conv": 3,
+            "mamba_chunk_size": 8,
+            "mamba_conv_bias": False,
+            "mamba_proj_bias": True,
+            "time_step_limit": (0.01, 0.3),
+            "hidden_act": "gelu",
+            "intermediate_size": 80,
+            "mlp_bias": True,
+            "attention_bias": True,
+            "projectors_bias": True,
+            "tie_word_embeddings": True,
+        },
+        "Qwen3Next": {
+            "head_dim": 24,
+            "num_key_value_heads": 1,
+            "rms_norm_eps": 0.02,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500.0,
+                "partial_rotary_factor": 0.5,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            "linear_key_head_dim": 12,
+            "linear_value_head_dim": 20,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 6,
+            "linear_conv_kernel_dim": 3,
+            "intermediate_size": 80,
+            "moe_intermediate_size": 24,
+            "shared_expert_intermediate_size": 40,
+            "num_experts": 6,
+            "num_experts_per_tok": 3,
+            "norm_topk_prob": False,
+            "decoder_sparse_step": 2,
+            "mlp_only_layers": [0],
+            "hidden_act": "gelu",
+            "attention_bias": True,
+            "tie_word_embeddings": True,
+        },
+        "Mamba2": {
+            "expand": 3,
+            "num_heads": 8,
+            "head_dim": 24,
+            "state_size": 8,
+            "n_groups": 4,
+            "conv_kernel": 3,
+            "chunk_size": 8,
+            "layer_norm_epsilon": 0.02,
+            "use_bias": True,
+            "use_conv_bias": False,
+            "time_step_limit": (0.01, 0.3),
+            "hidden_act": "gelu",
+            "residual_in_fp32": False,
+            "tie_word_embeddings": True,
+        },
+        "Zamba2": {
+            "num_key_value_heads": 2,
+            "use_shared_attention_adapter": False,
+            "intermediate_size": 80,
+            "rms_norm_eps": 0.02,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500.0,
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 2.0,
+                "original_max_position_embeddings": 40,
+            },
+            "use_mem_rope": True,
+            "mamba_d_state": 8,
+            "n_mamba_heads": 6,
+            "mamba_expand": 3,
+            "mamba_ngroups": 2,
+            "mamba_d_conv": 3,
+            "chunk_size": 8,
+            "use_conv_bias": False,
+            "add_bias_linear": True,
+            "hidden_act": "silu",
+            "adapter_rank": 4,
+            "num_mem_blocks": 2,
+            "tie_word_embeddings": False,
+        },
+        "Lfm2": {
+            "head_dim": 24,
+            "num_key_value_heads": 1,
+            "norm_eps": 0.02,
+            "rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 3.0},
+            "conv_L_cache": 4,
+            "conv_bias": True,
+            "intermediate_size": 128,
+            "block_multiple_of": 48,
+            "block_ffn_dim_multiplier": 1.5,
+            "tie_word_embeddings": False,
+        },
+        "Jamba": {
+            "head_dim": 12,
+            "num_key_value_heads": 1,
+            "rms_norm_eps": 0.02,
+            "mamba_d_state": 4,
+            "mamba_d_conv": 3,
+            "mamba_expand": 3,
+            "mamba_dt_rank": 5,
+            "mamba_conv_bias": False,
+            "mamba_proj_bias": True,
+            "num_experts": 3,
+            "num_experts_per_tok": 1,
+            "hidden_act": "gelu",
+            "intermediate_size": 40,
+            "attn_layer_period": 3,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 3,
+            "expert_layer_offset": 2,
+            "tie_word_embeddings": True,
+        },
+    }
+)
+
 
 def save_tiny(architecture: str, out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
     """Save transformers' `<architecture>ForCausalLM` with its tiny config (keys in `overrides` replaced)
@@ -232,6 +453,11 @@ def save_tiny(architecture: str, out_dir: Path, seed: int = 0, **overrides: Any)
     _perturb(model, seed)
     model.save_pretrained(out_dir)
     return Path(out_dir)
+
+
+def save_varied(architecture: str, out_dir: Path, seed: int = 1) -> Path:
+    """Save transformers' `<architecture>ForCausalLM` with its tiny config and VARIED_CONFIGS' overrides."""
+    return save_tiny(architecture, out_dir, seed, **VARIED_CONFIGS[architecture])
 
 
 def save_nemotron_h(out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
@@ -269,3 +495,17 @@ def greedy(model: Any, ids: list[int], max_new_tokens: int) -> list[int]:
         max_new_tokens=max_new_tokens,
     )
     return out[0, len(ids) :].tolist()
+
+
+def greedy_with_logits(model: Any, ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Reference greedy continuation and its raw logits per step [max_new_tokens, V]."""
+    input_ids = torch.tensor([ids])
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences[0, len(ids) :].tolist(), torch.stack([s[0] for s in out.logits]).float()

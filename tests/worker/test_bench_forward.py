@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from himamba.services.worker.bench_forward import Options, _decode_contexts, main, model_cost, run
+from himamba.services.worker.bench_generate import PeerError, VLLMPeer
 from himamba.services.worker.loader import load_model
 from tests.worker.hf_reference import save_nemotron_h
 
@@ -34,6 +35,11 @@ def _options(checkpoint: Path, reference: bool) -> Options:
         checkpoint=checkpoint,
         seed=0,
         omp_wait_policy="inherit",
+        gen_batches=[1, 3],
+        gen_prompt_lens=[20],
+        gen_prompt=8,
+        gen_tokens=4,
+        gen_runs=1,
     )
 
 
@@ -55,6 +61,73 @@ def test_run_measures_both_engines_on_every_shape(checkpoint: Path) -> None:
     json.dumps(summary)  # the summary is plain JSON
 
 
+def test_generate_table_puts_transformers_generate_beside_ours(checkpoint: Path) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    opts = _options(checkpoint, reference=True)
+    opts.phases = False
+    summary = run(opts, out, err)
+    rows = summary["generate"]
+    assert [(r["scenario"], r["phase"]) for r in rows] == [
+        ("decode B=1", "decode"),
+        ("decode B=3", "decode"),
+        ("prefill L=20", "prefill"),
+    ]
+    for r in rows:
+        for engine in ("ours", "transformers"):
+            assert r[engine]["min"] <= r[engine]["median_tok_s"] <= r[engine]["max"] and r[engine]["min"] > 0
+        assert r["ratios"]["transformers"] == pytest.approx(
+            r["ours"]["median_tok_s"] / r["transformers"]["median_tok_s"]
+        )
+        (agreement,) = r["agreement"]
+        # The same weights, greedy: tokens agree on every step compared (up to a near-tie, if any).
+        assert agreement["engine"] == "transformers" and agreement["first_mismatch"] is None
+    assert rows[0]["agreement"][0]["compared_steps"] >= 1
+    table = out.getvalue()
+    assert "transformers tok/s" in table and "greedy agreement" in table and "decode B=3" in table
+
+
+_FAKE_PEER = """
+import json, sys
+args = json.loads(sys.argv[1])
+if args["model"].endswith("broken"):
+    sys.stderr.write("fake peer: cannot load the model\\n")
+    sys.exit(3)
+print(json.dumps({"ready": True, "version": "fake"}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    n = req["max_tokens"]
+    gaps = [[1.0] * n for _ in req["prompts"]] if req["gaps"] else None
+    toks = [[(p[-1] + i) % 50 for i in range(n)] for p in req["prompts"]]
+    print(json.dumps({"seconds": 0.5, "first_seconds": 0.1, "tokens": toks, "top2_gaps": gaps}), flush=True)
+"""
+
+
+def _fake_peer(tmp_path: Path, model: str) -> VLLMPeer:
+    import sys
+
+    script = tmp_path / "peer.py"
+    script.write_text(_FAKE_PEER)
+    return VLLMPeer(Path(sys.executable), tmp_path / model, "float32", 1, 64, 4, 64, io.StringIO(), script=script)
+
+
+def test_the_peer_protocol_carries_tokens_gaps_and_times(tmp_path: Path) -> None:
+    peer = _fake_peer(tmp_path, "ok")
+    try:
+        assert peer.version == "fake"
+        got = peer.generate([[3, 4], [9]], 3, gaps=True)
+        assert got.tokens == [[4, 5, 6], [9, 10, 11]] and (got.seconds, got.first_seconds) == (0.5, 0.1)
+        assert got.gaps == [[1.0] * 3] * 2
+        assert peer.generate([[1]], 2).gaps is None
+    finally:
+        peer.close()
+    assert peer.proc.returncode == 0  # stdin closed: the peer ends on its own
+
+
+def test_a_peer_that_fails_to_start_is_reported_with_its_stderr(tmp_path: Path) -> None:
+    with pytest.raises(PeerError, match="cannot load the model"):
+        _fake_peer(tmp_path, "broken")
+
+
 def test_main_ends_with_one_json_line(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--checkpoint", str(checkpoint), "--prompt-lens", "8", "--batches", "2", "--context", "16"]
     argv += ["--repeats", "1", "--decode-steps", "1", "--threads", "1", "--no-reference"]
@@ -70,6 +143,8 @@ def test_bad_arguments_are_rejected(checkpoint: Path) -> None:
         main(["--checkpoint", str(checkpoint), "--batches", "0", "--omp-wait-policy", "inherit"])
     with pytest.raises(SystemExit):
         main(["--checkpoint", str(checkpoint), "--decode-steps", "0", "--omp-wait-policy", "inherit"])
+    with pytest.raises(SystemExit):  # a peer needs its Python
+        main(["--checkpoint", str(checkpoint), "--peer", "vllm", "--omp-wait-policy", "inherit"])
 
 
 def test_cost_model_counts_weights_once(checkpoint: Path) -> None:

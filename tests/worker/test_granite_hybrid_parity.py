@@ -93,7 +93,7 @@ def test_unsupported_rope_type_is_rejected() -> None:
         "hidden_size": 64,
         "num_hidden_layers": 1,
         "position_embedding_type": "rope",
-        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0},
+        "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
     }
     with pytest.raises(ValueError, match="rope_type"):
         GraniteHybridConfig.from_hf(raw)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from himamba.services.worker.forward_batch import ForwardBatch
+from himamba.services.worker.layers.partial_rotary import PartialRotaryEmbedding
 from himamba.services.worker.layers.projected_attention import ProjectedAttention
 from himamba.services.worker.layers.rotary import RotaryEmbedding
 
@@ -27,7 +28,7 @@ class PagedAttention(ProjectedAttention):
         bias: bool,
         device: torch.device,
         dtype: torch.dtype,
-        rotary: RotaryEmbedding | None = None,
+        rotary: RotaryEmbedding | PartialRotaryEmbedding | None = None,
     ) -> None:
         super().__init__(hidden_size, hidden_size, num_heads, num_kv_heads, head_dim, bias, device, dtype)
         self.scale = scale

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from himamba.services.worker.layers.cpu_packing import can_pack, pack, packed_linear
+
 
 class VocabEmbedding(nn.Module):
     """Lookup table [vocab, hidden]; `multiplier` scales the output (Granite's embedding_multiplier)."""
@@ -55,6 +57,7 @@ class LMHead(nn.Module):
             if tied_to is not None
             else nn.Parameter(torch.empty(vocab_size, hidden_size, device=device, dtype=dtype), requires_grad=False)
         )
+        self._packed: torch.Tensor | None = None  # oneDNN copy of the matrix (cpu_packing); not a parameter
 
     @property
     def is_tied(self) -> bool:
@@ -64,10 +67,22 @@ class LMHead(nn.Module):
         """Drop this head's own matrix and read the embedding table from now on."""
         self._tied = (embedding,)
         self.weight = None
+        self._packed = None
+
+    def pack_for_cpu(self) -> bool:
+        """Use a oneDNN pre-packed copy of the head's matrix (its own or the tied embedding's) from now
+        on, where it applies; True if packed."""
+        weight = self._tied[0].weight if self._tied else self.weight
+        assert weight is not None
+        self._packed = pack(weight) if can_pack(weight) else None
+        return self._packed is not None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self._tied[0].weight if self._tied else self.weight
-        logits = F.linear(hidden, weight).float()
+        if self._packed is not None:
+            logits = packed_linear(hidden, self._packed, None).float()
+        else:
+            logits = F.linear(hidden, weight).float()
         if self.logits_divisor != 1.0:
             logits = logits / self.logits_divisor
         return logits

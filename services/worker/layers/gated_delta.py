@@ -22,6 +22,7 @@ from himamba.kernels import (
     scatter_state_rows,
 )
 from himamba.services.worker.forward_batch import ForwardBatch
+from himamba.services.worker.layers.conv_activation import conv_activation
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.mamba2 import DepthwiseConv
 from himamba.services.worker.layers.recurrent_segments import State, run_prefill
@@ -71,8 +72,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         if num_k_heads < 1 or num_v_heads % num_k_heads != 0:
             raise ValueError(f"linear_num_key_heads ({num_k_heads}) must divide linear_num_value_heads ({num_v_heads})")
-        if activation not in ("silu", "swish"):
-            raise ValueError(f"the gated DeltaNet conv activation must be 'silu', got {activation!r}")
+        self.conv_act = conv_activation(activation)
         if conv_kernel < 2:
             raise ValueError(f"linear_conv_kernel_dim must be >= 2, got {conv_kernel}")
         self.num_k_heads = num_k_heads
@@ -136,7 +136,7 @@ class GatedDeltaNet(nn.Module):
             assert batch.state_slots is not None
             slots = batch.state_slots
             conv_state = gather_state_rows(state["conv"], slots)
-            conv_out = causal_conv1d_update(mixed, conv_state, weight, None, "silu")
+            conv_out = self.conv_act.apply(causal_conv1d_update(mixed, conv_state, weight, None, self.conv_act.fused))
             scatter_state_rows(state["conv"], slots, conv_state)
             q, k, v = self._split_heads(conv_out)
             recurrent = gather_state_rows(state["recurrent"], slots)
@@ -150,9 +150,9 @@ class GatedDeltaNet(nn.Module):
                     weight,
                     None,
                     None if carried is None else carried["conv"],
-                    "silu",
+                    self.conv_act.fused,
                 )
-                q, k, v = self._split_heads(conv.out[0].t().unsqueeze(0))
+                q, k, v = self._split_heads(self.conv_act.apply(conv.out[0].t()).unsqueeze(0))
                 delta = chunk_gated_delta_rule(
                     q,
                     k,

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from himamba.services.worker.layers.cpu_packing import can_pack, pack, packed_linear
+
 
 class Linear(nn.Module):
     """y = x @ weight.T (+ bias); weight [out, in] as in HF checkpoints.
@@ -26,6 +28,14 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
         )
+        self._packed: torch.Tensor | None = None  # oneDNN copy of weight (cpu_packing); not a parameter
+
+    def pack_for_cpu(self) -> bool:
+        """Use a oneDNN pre-packed copy of the weight from now on, where it applies; True if packed."""
+        self._packed = pack(self.weight) if can_pack(self.weight) else None
+        return self._packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None:
+            return packed_linear(x, self._packed, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -22,6 +22,7 @@ from himamba.kernels import (
     selective_state_update_mamba1,
 )
 from himamba.services.worker.forward_batch import ForwardBatch
+from himamba.services.worker.layers.conv_activation import conv_activation
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.mamba2 import DepthwiseConv
 from himamba.services.worker.layers.norm import RMSNorm
@@ -53,8 +54,7 @@ class Mamba1Mixer(nn.Module):
     ) -> None:
         """`inner_norm_eps` set: RMS-normalise dt, B and C (Jamba); None: no inner norms."""
         super().__init__()
-        if activation not in ("silu", "swish"):
-            raise ValueError(f"the Mamba1 conv activation must be 'silu', got {activation!r}")
+        self.conv_act = conv_activation(activation)
         if conv_kernel < 2:
             raise ValueError(f"mamba_d_conv must be >= 2, got {conv_kernel}")
         self.intermediate_size = intermediate_size
@@ -105,7 +105,9 @@ class Mamba1Mixer(nn.Module):
             assert batch.state_slots is not None
             slots = batch.state_slots
             conv_state = gather_state_rows(state["conv"], slots)
-            xc = causal_conv1d_update(xs, conv_state, weight, self.conv1d.bias, "silu")
+            xc = self.conv_act.apply(
+                causal_conv1d_update(xs, conv_state, weight, self.conv1d.bias, self.conv_act.fused)
+            )
             scatter_state_rows(state["conv"], slots, conv_state)
             dt, b, c = self._ssm_inputs(xc)
             ssm = gather_state_rows(state["ssm"], slots)
@@ -119,9 +121,9 @@ class Mamba1Mixer(nn.Module):
                     weight,
                     self.conv1d.bias,
                     None if carried is None else carried["conv"],
-                    "silu",
+                    self.conv_act.fused,
                 )
-                xc = conv.out[0].t()
+                xc = self.conv_act.apply(conv.out[0].t())
                 dt, b, c = self._ssm_inputs(xc)
                 scan = selective_scan(
                     xc.unsqueeze(0),

@@ -1,6 +1,6 @@
 """The Mamba2 mixer shared by the hybrid families, reading and writing the recurrent state pool.
 
-Layout (HF names): `in_proj` -> [gate | xBC | dt]; depthwise causal `conv1d` + SiLU over xBC;
+Layout (HF names): `in_proj` -> [gate | xBC | dt]; depthwise causal `conv1d` + the config's activation (SiLU in every published checkpoint) over xBC;
 xBC -> x [H, P], B and C [G, N]; the SSD recurrence with A = -exp(A_log), D skip and dt_bias;
 `norm(y * silu(gate))` over `n_groups` groups; `out_proj`. The knobs that differ between
 families are constructor arguments.
@@ -22,6 +22,7 @@ from himamba.kernels import (
     ssd_scan,
 )
 from himamba.services.worker.forward_batch import ForwardBatch
+from himamba.services.worker.layers.conv_activation import conv_activation
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.norm import GatedRMSNorm
 from himamba.services.worker.layers.pool_rows import consecutive_rows
@@ -67,8 +68,10 @@ class Mamba2Scan(nn.Module):
         conv_bias: bool,
         device: torch.device,
         dtype: torch.dtype,
+        activation: str = "silu",
     ) -> None:
         super().__init__()
+        self.conv_act = conv_activation(activation)
         if n_groups < 1 or num_heads % n_groups != 0:
             raise ValueError(f"n_groups ({n_groups}) must divide the number of mamba heads ({num_heads})")
         if conv_kernel < 2:
@@ -119,9 +122,9 @@ class Mamba2Scan(nn.Module):
             self.conv1d.weight.squeeze(1),
             self.conv1d.bias,
             None if carried is None else carried["conv"],
-            "silu",
+            self.conv_act.fused,
         )
-        x, b, c = self._split_xbc(conv.out[0].t())
+        x, b, c = self._split_xbc(self.conv_act.apply(conv.out[0].t()))
         scan = ssd_scan(
             x.reshape(1, length, self.num_heads, self.head_dim),
             dt[start:end].unsqueeze(0),
@@ -152,7 +155,9 @@ class Mamba2Scan(nn.Module):
         if gathered:
             conv_state = gather_state_rows(conv_pool, slots)
             ssm_state = gather_state_rows(ssm_pool, slots)
-        xbc = causal_conv1d_update(xbc, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, "silu")
+        xbc = self.conv_act.apply(
+            causal_conv1d_update(xbc, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.conv_act.fused)
+        )
         x, b, c = self._split_xbc(xbc)
         y = selective_state_update(
             ssm_state,
@@ -195,12 +200,10 @@ class Mamba2Mixer(Mamba2Scan):
         proj_bias: bool = False,
         activation: str = "silu",
     ) -> None:
-        if activation != "silu":
-            raise ValueError(f"the Mamba2 conv activation must be 'silu', got {activation!r}")
         super().__init__(
             num_heads=num_heads, head_dim=head_dim, state_size=state_size, n_groups=n_groups,
             conv_kernel=conv_kernel, chunk_size=chunk_size, dt_limit=dt_limit, conv_bias=conv_bias,
-            device=device, dtype=dtype,
+            device=device, dtype=dtype, activation=activation,
         )  # fmt: skip
         width = self.intermediate_size
         self.in_proj = Linear(hidden_size, width + self.conv_dim + num_heads, proj_bias, device, dtype)

@@ -10,14 +10,23 @@ from himamba.services.worker.layers.rotary import RotaryEmbedding
 
 class PartialRotaryEmbedding(nn.Module):
     """HF's rope with `partial_rotary_factor`: the first `rotary_dim` channels of q and k are rotated
-    (rotate-half within them, frequencies over rotary_dim), the rest pass through unchanged."""
+    (rotate-half within them, frequencies over rotary_dim), the rest pass through unchanged.
+    `inv_freq` / `attention_scaling`: a scaled rope type's frequencies and cos/sin factor."""
 
-    def __init__(self, head_dim: int, rotary_dim: int, base: float, device: torch.device) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        rotary_dim: int,
+        base: float,
+        device: torch.device,
+        inv_freq: torch.Tensor | None = None,
+        attention_scaling: float = 1.0,
+    ) -> None:
         super().__init__()
         if not 0 < rotary_dim <= head_dim:
             raise ValueError(f"rotary_dim must be in [1, head_dim={head_dim}], got {rotary_dim}")
         self.rotary_dim = rotary_dim
-        self.rotary = RotaryEmbedding(rotary_dim, base, device)
+        self.rotary = RotaryEmbedding(rotary_dim, base, device, inv_freq, attention_scaling)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hkv, D], positions [T] int64 -> rotated (q, k) in their dtypes."""

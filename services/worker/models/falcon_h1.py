@@ -94,7 +94,7 @@ class FalconH1Config:
             num_key_value_heads=f.int("num_key_value_heads", default=heads),
             head_dim=f.int("head_dim", default=hidden // heads),
             attention_bias=f.bool("attention_bias", default=False),
-            rope=rope_settings(f, default_theta=10000.0),
+            rope=rope_settings(f, default_theta=10000.0, reads_partial=False),
             rms_norm_eps=f.float("rms_norm_eps", default=1e-5),
             tie_word_embeddings=f.bool("tie_word_embeddings", default=False),
             mamba=Mamba2Fields.parse(f, width),

@@ -24,7 +24,6 @@ from himamba.services.worker.layers.mamba2 import Mamba2Mixer
 from himamba.services.worker.layers.mlp import FusedGatedMLP
 from himamba.services.worker.layers.moe import RoutedExperts, SoftmaxTopKRouter
 from himamba.services.worker.layers.norm import RMSNorm
-from himamba.services.worker.layers.rotary import RotaryEmbedding
 from himamba.services.worker.models.hf_config import ConfigFields
 from himamba.services.worker.models.hybrid_decoder import (
     HybridDecoderLM,
@@ -34,6 +33,7 @@ from himamba.services.worker.models.hybrid_decoder import (
     pool_layout,
 )
 from himamba.services.worker.models.mamba2_fields import Mamba2Fields
+from himamba.services.worker.models.rope_params import RopeSettings, rope_settings
 from himamba.services.worker.models.weight_loading import WeightTarget
 from himamba.services.worker.pools import KVPool, StatePool
 
@@ -60,7 +60,7 @@ class GraniteHybridConfig:
     head_dim: int
     attention_bias: bool
     attention_multiplier: float
-    rope_theta: float | None  # None: no positional embedding
+    rope: RopeSettings | None  # None: no positional embedding
     shared_intermediate_size: int
     intermediate_size: int
     hidden_act: str
@@ -72,6 +72,11 @@ class GraniteHybridConfig:
     logits_scaling: float
     tie_word_embeddings: bool
     mamba: Mamba2Fields
+
+    @property
+    def rope_theta(self) -> float | None:
+        """The rope base frequency; None when the model has no positional embedding."""
+        return None if self.rope is None else self.rope.theta
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any]) -> GraniteHybridConfig:
@@ -101,7 +106,7 @@ class GraniteHybridConfig:
             head_dim=f.int("head_dim", default=hidden // heads),
             attention_bias=f.bool("attention_bias", default=False),
             attention_multiplier=f.float("attention_multiplier", default=1.0),
-            rope_theta=_rope_theta(f),
+            rope=_rope(f),
             shared_intermediate_size=f.int("shared_intermediate_size", default=1024),
             intermediate_size=f.int("intermediate_size", default=11008),
             hidden_act=f.str("hidden_act", default="silu") or "silu",
@@ -116,22 +121,11 @@ class GraniteHybridConfig:
         )
 
 
-def _rope_theta(f: ConfigFields) -> float | None:
+def _rope(f: ConfigFields) -> RopeSettings | None:
     if f.str("position_embedding_type") != "rope":
         return None
-    params = f.get("rope_parameters", "rope_scaling")
-    if params is not None and not isinstance(params, dict):
-        raise ValueError(f"GraniteMoeHybrid config.json: field 'rope_parameters' must be an object, got {params!r}")
-    params = params or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"GraniteMoeHybrid config.json: rope_type {rope_type!r} is not supported (only 'default')")
-    theta = params.get("rope_theta", f.get("rope_theta"))
-    if theta is None:
-        return 10000.0
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
-        raise ValueError(f"GraniteMoeHybrid config.json: field 'rope_theta' must be a number, got {theta!r}")
-    return float(theta)
+    # transformers' Granite rope rotates the whole head whatever partial_rotary_factor says.
+    return rope_settings(f, default_theta=10000.0, reads_partial=False)
 
 
 class GraniteHybridMoE(nn.Module):
@@ -171,7 +165,7 @@ class GraniteHybridLayer(MixerLayer):
         if kind == "mamba":
             self.mamba = cfg.mamba.mixer(h, cfg.rms_norm_eps, cfg.hidden_act, device, dtype)
         else:
-            rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, device) if cfg.rope_theta is not None else None
+            rotary = cfg.rope.rotary(cfg.head_dim, device) if cfg.rope is not None else None
             self.self_attn = PagedAttention(
                 h,
                 cfg.num_attention_heads,

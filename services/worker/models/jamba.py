@@ -53,6 +53,7 @@ class JambaConfig:
     hidden_act: str
     num_attention_heads: int
     num_key_value_heads: int
+    head_dim: int  # `head_dim` when given, else hidden_size / num_attention_heads (as transformers)
     rms_norm_eps: float
     tie_word_embeddings: bool
     num_experts: int
@@ -63,10 +64,6 @@ class JambaConfig:
     mamba_dt_rank: int
     mamba_conv_bias: bool
     mamba_proj_bias: bool
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any]) -> JambaConfig:
@@ -92,6 +89,7 @@ class JambaConfig:
             hidden_act=f.str("hidden_act", default="silu") or "silu",
             num_attention_heads=heads,
             num_key_value_heads=f.int("num_key_value_heads", default=heads),
+            head_dim=f.int("head_dim", default=hidden // heads),
             rms_norm_eps=f.float("rms_norm_eps", default=1e-6),
             tie_word_embeddings=f.bool("tie_word_embeddings", default=False),
             num_experts=experts,

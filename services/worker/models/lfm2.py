@@ -86,15 +86,12 @@ class Lfm2Config:
     mlp_width: int
     num_attention_heads: int
     num_key_value_heads: int
+    head_dim: int  # `head_dim` when given, else hidden_size / num_attention_heads (as transformers)
     rope: RopeSettings
     norm_eps: float
     conv_bias: bool
     conv_L_cache: int
     tie_word_embeddings: bool
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any]) -> Lfm2Config:
@@ -108,7 +105,8 @@ class Lfm2Config:
             mlp_width=_mlp_width(f),
             num_attention_heads=heads,
             num_key_value_heads=f.int("num_key_value_heads", default=8),
-            rope=rope_settings(f, default_theta=1000000.0),
+            head_dim=f.int("head_dim", default=f.int("hidden_size") // heads),
+            rope=rope_settings(f, default_theta=1000000.0, reads_partial=False),
             norm_eps=f.float("norm_eps", default=1e-5),
             conv_bias=f.bool("conv_bias", default=False),
             conv_L_cache=f.int("conv_L_cache", default=3),

@@ -114,7 +114,7 @@ class Zamba2Config:
             num_mem_blocks=blocks,
             use_shared_attention_adapter=adapters,
             adapter_rank=f.int("adapter_rank", default=128),
-            rope=rope_settings(f, default_theta=10000.0) if f.bool("use_mem_rope", default=False) else None,
+            rope=rope_settings(f, default_theta=10000.0, reads_partial=False) if f.bool("use_mem_rope", default=False) else None,
             rms_norm_eps=f.float("rms_norm_eps", default=1e-5),
             tie_word_embeddings=f.bool("tie_word_embeddings", default=True),
             mamba_n_heads=mamba_heads,

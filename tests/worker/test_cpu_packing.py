@@ -1,0 +1,64 @@
+"""Projection weights pre-packed for the CPU GEMM path (oneDNN): the same products as the plain weight,
+packed at load by default, for tied heads too, and never for what cannot be packed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from himamba.services.worker.layers.cpu_packing import can_pack
+from himamba.services.worker.layers.embedding import LMHead, VocabEmbedding
+from himamba.services.worker.layers.linear import Linear
+from himamba.services.worker.loader import load_model
+from tests.worker.harness import Harness
+from tests.worker.hf_reference import save_tiny
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 48), (7, 48), (40, 48), (2, 5, 48)])
+def test_a_packed_linear_computes_the_same_product(bias: bool, shape: tuple[int, ...]) -> None:
+    layer = Linear(48, 80, bias, CPU, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    layer.weight.copy_(torch.randn(80, 48, generator=gen))
+    if layer.bias is not None:
+        layer.bias.copy_(torch.randn(80, generator=gen))
+    x = torch.randn(shape, generator=gen)
+    plain = layer(x)
+    assert layer.pack_for_cpu()
+    torch.testing.assert_close(layer(x), plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(plain, F.linear(x, layer.weight, layer.bias))
+
+
+def test_a_tied_head_packs_the_embedding_table() -> None:
+    emb = VocabEmbedding(100, 32, CPU, torch.float32)
+    emb.weight.copy_(torch.randn(100, 32))
+    head = LMHead(100, 32, CPU, torch.float32, tied_to=emb, logits_divisor=2.0)
+    hidden = torch.randn(3, 32)
+    plain = head(hidden)
+    assert head.pack_for_cpu()
+    torch.testing.assert_close(head(hidden), plain, rtol=1e-5, atol=1e-5)
+    head.tie_to(emb)  # re-tying drops the packed copy: it would no longer follow the weight
+    assert head._packed is None
+
+
+def test_only_cpu_float_matrices_are_packed() -> None:
+    assert can_pack(torch.empty(4, 4)) and can_pack(torch.empty(4, 4, dtype=torch.bfloat16))
+    assert not can_pack(torch.empty(4, 4, dtype=torch.float16)) and not can_pack(torch.empty(4))
+    layer = Linear(4, 4, False, CPU, torch.float16)
+    assert not layer.pack_for_cpu() and layer._packed is None
+
+
+def test_the_loader_packs_by_default_and_gives_the_same_tokens(tmp_path: Path) -> None:
+    path = save_tiny("Bamba", tmp_path / "bamba")
+    packed, plain = load_model(path), load_model(path, pack_cpu_weights=False)
+    linears = [m for m in packed.modules() if isinstance(m, Linear)]
+    assert linears and all(m._packed is not None for m in linears) and packed.lm_head._packed is not None
+    assert all(m._packed is None for m in plain.modules() if isinstance(m, Linear))
+    prompts = [[5, 9, 13, 2, 7], [1] * 40]
+    assert Harness(packed).generate_greedy(prompts, 12) == Harness(plain).generate_greedy(prompts, 12)
