@@ -140,19 +140,24 @@ class ValueCodec:
         (stored,) = struct.unpack_from("<I", head, _CRC_OFFSET)
         return _crc32(payload, _crc32(head[:_CRC_OFFSET])) == stored
 
+    def check(self, blob: Buffer, kind: ValueKind, key: bytes, payload_bytes: int) -> str | None:
+        """Why a whole stored value (`header || payload`) is not the expected one; None when it is."""
+        view = memoryview(blob)
+        if view.nbytes != HEADER_BYTES + payload_bytes:
+            return f"value of {view.nbytes} bytes, expected {HEADER_BYTES + payload_bytes}"
+        head, payload = view[:HEADER_BYTES], view[HEADER_BYTES:]
+        why = self.problem(head, kind, key, payload_bytes)
+        if why is None and not self.checksum_ok(head, payload):
+            why = "checksum mismatch"
+        return why
+
     def decode_into(self, blob: Buffer, kind: ValueKind, key: bytes, dest: Buffer) -> str | None:
         """Verify a whole stored value (`header || payload`, as a remote store returns it) and copy
         its payload into `dest`; returns why it is not the expected value, None on success."""
-        view = memoryview(blob)
         out = memoryview(dest).cast("B")
-        if view.nbytes != HEADER_BYTES + out.nbytes:
-            return f"value of {view.nbytes} bytes, expected {HEADER_BYTES + out.nbytes}"
-        head, payload = view[:HEADER_BYTES], view[HEADER_BYTES:]
-        why = self.problem(head, kind, key, out.nbytes)
-        if why is None and not self.checksum_ok(head, payload):
-            why = "checksum mismatch"
+        why = self.check(blob, kind, key, out.nbytes)
         if why is None:
-            out[:] = payload.cast("B")
+            out[:] = memoryview(blob)[HEADER_BYTES:].cast("B")
         return why
 
 

@@ -35,6 +35,7 @@ import shutil
 import threading
 import time
 from collections.abc import Sequence
+from enum import Enum
 from pathlib import Path
 
 from himamba.services.cache.storage.base import (
@@ -71,6 +72,14 @@ def filesystem_free_bytes(directory: Path) -> int:
     while not d.exists() and d.parent != d:
         d = d.parent
     return shutil.disk_usage(d).free
+
+
+class _Got(Enum):
+    """How one read ended."""
+
+    OK = 1
+    MISS = 2
+    CORRUPT = 3
 
 
 class _Segment:
@@ -191,7 +200,10 @@ class FileBackend(StorageBackend):
                 if len(run) > 1 and self._read_run(run, keys, dest, n, fds):
                     n += len(run)
                     continue
-                if not self._read(ValueKind.KV, keys[n], dest[n], fds):
+                got = self._read(ValueKind.KV, keys[n], dest[n], fds)
+                if got is _Got.CORRUPT:
+                    self._sweep(keys, dest, n + 1, fds)
+                if got is not _Got.OK:
                     break
                 n += 1
             return n
@@ -252,7 +264,7 @@ class FileBackend(StorageBackend):
         check_batch([key], [dest], "dest")
         fds: dict[str, int] = {}
         try:
-            return self._read(ValueKind.STATE, key, dest, fds)
+            return self._read(ValueKind.STATE, key, dest, fds) is _Got.OK
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -378,12 +390,22 @@ class FileBackend(StorageBackend):
     # ---- reads ---------------------------------------------------------------------------------
 
 
-    def _read(self, kind: ValueKind, key: bytes, dest: Buffer, fds: dict[str, int]) -> bool:
+    def _sweep(self, keys: Sequence[bytes], dest: Sequence[Buffer], start: int, fds: dict[str, int]) -> None:
+        """After a corrupt value: check the rest of the batch too (read into the callers' buffers,
+        whose bytes past the answer are unspecified anyway) and forget every corrupt one, so a
+        single backup can replace them all (a corruption rarely hits one value alone). Values
+        that verify are not counted as read: the caller does not get them."""
+        for i in range(start, len(keys)):
+            ent = self._index.get((ValueKind.KV, keys[i]))
+            if ent is not None:
+                self._read(ValueKind.KV, keys[i], dest[i], fds, count=False)
+
+    def _read(self, kind: ValueKind, key: bytes, dest: Buffer, fds: dict[str, int], count: bool = True) -> _Got:
         out = memoryview(dest).cast("B")
         ent = self._find(kind, key)
         if ent is None:
             self.counters.add(num_misses=1)
-            return False
+            return _Got.MISS
         seg, off, nbytes = ent
         fd = fds.get(seg.name)
         if fd is None:
@@ -393,11 +415,11 @@ class FileBackend(StorageBackend):
                 with self._lock:
                     self._forget(seg)  # evicted (here or by another server)
                 self.counters.add(num_misses=1)
-                return False
+                return _Got.MISS
             except OSError as e:
                 self._log_once(f"read:{e.errno}", f"cannot open stored values ({e}); treating as misses")
                 self.counters.add(num_misses=1)
-                return False
+                return _Got.MISS
         head = bytearray(HEADER_BYTES)
         why = None
         if nbytes != out.nbytes:
@@ -416,13 +438,15 @@ class FileBackend(StorageBackend):
                 why = "checksum mismatch"
         if why is not None:
             self._corrupt(seg, kind, key, off, why)
-            return False
+            return _Got.CORRUPT
         self._touch(seg)
-        if kind is ValueKind.KV:
+        if not count:
+            pass
+        elif kind is ValueKind.KV:
             self.counters.add(num_read_pages=1, num_read_bytes=HEADER_BYTES + nbytes)
         else:
             self.counters.add(num_read_states=1, num_read_bytes=HEADER_BYTES + nbytes)
-        return True
+        return _Got.OK
 
     def _corrupt(self, seg: _Segment, kind: ValueKind, key: bytes, off: int, why: str) -> None:
         self.counters.add(num_corrupt=1)

@@ -116,6 +116,31 @@ def test_a_damaged_value_is_a_counted_miss_and_is_forgotten(tmp_path: Path, dama
     assert _read(b, keys)[0] == 4
 
 
+def test_a_corrupt_value_makes_the_read_check_its_whole_batch(tmp_path: Path) -> None:
+    """Every value damaged: the first read forgets all of the batch's bad values (not only the
+    first), so one backup writes them all again and the next read is a full hit."""
+    b = FileBackend(FP, tmp_path)
+    keys, pages = _keys(6), _pages(6)
+    _store(b, keys, pages)
+    b.close()
+    for path in tmp_path.rglob("*.seg"):
+        data = bytearray(path.read_bytes())
+        for i in range(6):
+            data[i * (HEADER_BYTES + PAGE) + HEADER_BYTES + 5] ^= 0x01
+        path.write_bytes(bytes(data))
+    b = FileBackend(FP, tmp_path)
+    assert b.exists(keys) == 6  # headers intact: the lookup cannot tell
+    n, _ = _read(b, keys[:4])
+    assert n == 0
+    s = b.stats()
+    assert s.num_corrupt == 4 and s.num_read_pages == 0
+    assert b.exists(keys) == 0
+    assert _store(b, keys, pages) == [True] * 6
+    assert b.stats().num_written_pages == 4 and b.stats().num_skipped_writes == 2  # 4, 5 were not read yet
+    n, out = _read(b, keys[:4])
+    assert n == 4 and np.array_equal(out, pages[:4])
+
+
 def test_a_torn_segment_tail_is_ignored_at_open_and_the_rest_serves(tmp_path: Path) -> None:
     b = FileBackend(FP, tmp_path)
     keys, pages = _keys(4), _pages(4)
