@@ -295,6 +295,9 @@ class CacheConfig(_Section):
     debug_storage_slow_s: Annotated[NonNegFloat, doc("Test hook: seconds every storage call sleeps.", hidden=True)] = (
         0.0
     )
+    debug_storage_prefetch_stall_pages: Annotated[
+        NonNegInt, doc("Test hook: a storage prefetch holds after this many pages until it is revoked.", hidden=True)
+    ] = 0
     # Test hooks in the worker's copy path: 1-based counts over the worker's life of the copy orders
     # in `debug_transfer_direction`; 0: off.
     debug_transfer_direction: Annotated[

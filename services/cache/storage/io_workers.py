@@ -50,6 +50,7 @@ __all__ = [
 ]
 
 _log = logging.getLogger("himamba.cache.storage")
+_STALL_MAX_S = 60.0
 
 
 class JobKind(StrEnum):
@@ -199,6 +200,7 @@ class StorageIO:
         prefetch_budget_tokens: int,
         num_workers: int = 2,
         batch_pages: int = 8,
+        stall_prefetch_at: int = 0,
     ) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size: must be > 0, got {page_size}")
@@ -210,6 +212,9 @@ class StorageIO:
         self.page_size = page_size
         self.batch_pages = batch_pages
         self.num_workers = num_workers
+        # Test hook (0: off): a prefetch job holds after this many pages until it is revoked, so a
+        # test can admit its request mid-fetch deterministically (bounded by `_STALL_MAX_S`).
+        self.stall_prefetch_at = stall_prefetch_at
         self._kv = _rows(kv_bytes, "kv_bytes")
         self._state = _rows(state_bytes, "state_bytes")
         self.budget = TokenBudget(prefetch_budget_tokens, floor_tokens=page_size * batch_pages)
@@ -372,11 +377,16 @@ class StorageIO:
         copy = self._prefetch_batch if job.kind is JobKind.PREFETCH else self._backup_batch
         mids = list(job.mid_states)
         start = 0
+        stall = self.stall_prefetch_at if job.kind is JobKind.PREFETCH else 0
         while start < len(job.keys):
+            if stall and start == stall:
+                self._stall(job)
             if job.revoked:
                 self._finish(job, JobOutcome.REVOKED, None)
                 return
             end = min(start + self.batch_pages, len(job.keys), *(at for at, _ in mids[:1]))
+            if start < stall:
+                end = min(end, stall)
             n = copy(job.keys[start:end], job.host_pages[start:end])
             job.num_bytes += n * self._kv.shape[1]  # type: ignore[union-attr]
             with job.lock:
@@ -409,6 +419,13 @@ class StorageIO:
         with job.lock:
             complete = job.num_pages == len(job.keys) and (job.state is None or job.state_ok)
         self._finish(job, JobOutcome.DONE if complete else JobOutcome.REVOKED, None)
+
+    def _stall(self, job: _Job) -> None:
+        """The test hook: hold until the job is revoked (or `_STALL_MAX_S` passed)."""
+        _log.warning("test hook: prefetch job %d holds after %d pages until it is revoked", job.id, job.num_pages)
+        deadline = time.monotonic() + _STALL_MAX_S
+        while not job.revoked and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def _read_mid_state(self, job: _Job, at: int, state: StateCopy) -> None:
         assert self._state is not None
