@@ -308,7 +308,7 @@ class CacheConfig(_Section):
         NonNegInt, doc("Test hook: the batch carrying the Nth copy order fails after its copies.", hidden=True)
     ] = 0
     debug_worker_exit_at_transfer: Annotated[
-        NonNegInt, doc("Test hook: the worker process dies during the Nth copy order.", hidden=True)
+        NonNegInt, doc("Test hook: the worker process dies during the Nth copy order (once per instance).", hidden=True)
     ] = 0
 
 
