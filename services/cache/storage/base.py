@@ -133,6 +133,19 @@ class ValueCodec:
             return None
         return ValueKind(k), bytes(key), nbytes
 
+    def verified(self, header: Buffer, kind: ValueKind, key: bytes, payload: Buffer) -> bool:
+        """`problem(...) is None and checksum_ok(...)` in one pass (the read path's hot loop)."""
+        magic, version, k, _flags, _tokens, nbytes, fp, stored_key, stored = _HEADER.unpack(header)
+        return (
+            stored_key == key
+            and magic == _MAGIC
+            and version == FORMAT_VERSION
+            and k == kind
+            and nbytes == memoryview(payload).nbytes
+            and fp == self.fingerprint
+            and _crc32(payload, _crc32(memoryview(header)[:_CRC_OFFSET])) == stored
+        )
+
     @staticmethod
     def checksum_ok(header: Buffer, payload: Buffer) -> bool:
         """Whether the CRC-32 in `header` matches header and payload."""

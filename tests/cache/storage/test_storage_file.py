@@ -339,3 +339,34 @@ def test_default_directory_follows_xdg_cache_home(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert default_storage_dir() == tmp_path / "himamba" / "storage"
     assert FileBackend(FP).dir == tmp_path / "himamba" / "storage" / FP.hex()
+
+
+def _fds_under(directory: Path) -> int:
+    """This process's open descriptors of files under `directory` (deleted ones included)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        n += target.startswith(str(directory))
+    return n
+
+
+def test_read_descriptors_are_kept_but_never_outlive_their_segment_or_the_backend(tmp_path: Path) -> None:
+    b = FileBackend(FP, tmp_path)
+    keys, pages = _keys(4), _pages(4)
+    _store(b, keys, pages)
+    assert _read(b, keys)[0] == 4
+    assert _read(b, keys)[0] == 4
+    assert _fds_under(tmp_path) == 2  # the writer's segment and one kept reader (not one per call)
+    b._close_active()
+    for seg in _segments(b):
+        seg.unlink()  # evicted by another server
+    b._rescan(force=True)
+    assert _read(b, keys)[0] == 0
+    assert _fds_under(tmp_path) == 0, "a descriptor kept a deleted segment's space"
+    _store(b, keys, pages)
+    assert _read(b, keys)[0] == 4
+    b.close()
+    assert _fds_under(tmp_path) == 0
