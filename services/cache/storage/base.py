@@ -70,6 +70,7 @@ _MAGIC = b"HMBS"
 _HEADER = struct.Struct("<4sHBBIQ32s32s8xI")
 HEADER_BYTES = _HEADER.size  # 96
 _CRC_OFFSET = HEADER_BYTES - 4
+_CRC = struct.Struct("<I")
 assert HEADER_BYTES == 96 and KEY_BYTES == 32 and FINGERPRINT_BYTES == 32
 
 
@@ -100,6 +101,14 @@ class ValueCodec:
         head = _HEADER.pack(_MAGIC, FORMAT_VERSION, kind, 0, token_count, nbytes, self.fingerprint, key, 0)
         crc = _crc32(payload, _crc32(memoryview(head)[:_CRC_OFFSET]))
         return head[:_CRC_OFFSET] + struct.pack("<I", crc)
+
+    def header_into(self, buf: memoryview, kind: ValueKind, key: bytes, payload: Buffer, token_count: int = 0) -> None:
+        """`header(...)` written into `buf` (HEADER_BYTES, writable): no allocation per value."""
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"key: must be {KEY_BYTES} bytes, got {len(key)}")
+        nbytes = memoryview(payload).nbytes
+        _HEADER.pack_into(buf, 0, _MAGIC, FORMAT_VERSION, kind, 0, token_count, nbytes, self.fingerprint, key, 0)
+        _CRC.pack_into(buf, _CRC_OFFSET, _crc32(payload, _crc32(buf[:_CRC_OFFSET])))
 
     def problem(self, header: Buffer, kind: ValueKind, key: bytes, payload_bytes: int) -> str | None:
         """Why `header` cannot describe the expected value; None when it can (the checksum is

@@ -223,6 +223,8 @@ class FileBackend(StorageBackend):
             if run and (ent[0] is not run[0][0] or ent[1] != run[-1][1] + HEADER_BYTES + run[-1][2]):
                 break
             run.append(ent)
+            if len(run) == _IOV_MAX // 2:
+                break  # one preadv at most (a header and a payload per value)
         return run
 
     def _read_run(
@@ -488,9 +490,13 @@ class FileBackend(StorageBackend):
             return out
         iov: list[Buffer] = []
         sizes: list[int] = []
-        for i in todo:
+        heads = self._scratch(len(todo) * HEADER_BYTES)  # used only until the write returns
+        header_into = self.codec.header_into
+        for n, i in enumerate(todo):
             payload = memoryview(blobs[i]).cast("B")
-            iov += [self.codec.header(kind, keys[i], payload, token_count), payload]
+            head = heads[n * HEADER_BYTES : (n + 1) * HEADER_BYTES]
+            header_into(head, kind, keys[i], payload, token_count)
+            iov += [head, payload]
             sizes.append(payload.nbytes)
         total = sum(sizes) + HEADER_BYTES * len(todo)
         ok = self._append(iov, total, [(kind, keys[i], n) for i, n in zip(todo, sizes)])
@@ -728,7 +734,17 @@ class _Flock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
 
 
+_IOV_MAX = 1024  # Linux's limit on buffers per pwritev
+
+
 def _pwritev_all(fd: int, iov: list[Buffer], offset: int, total: int) -> None:
+    if len(iov) > _IOV_MAX:
+        for i in range(0, len(iov), _IOV_MAX):
+            part = iov[i : i + _IOV_MAX]
+            nbytes = sum(memoryview(b).nbytes for b in part)
+            _pwritev_all(fd, part, offset, nbytes)
+            offset += nbytes
+        return
     done = os.pwritev(fd, iov, offset)
     if done == total:
         return
