@@ -295,6 +295,9 @@ class CacheConfig(_Section):
     debug_storage_slow_s: Annotated[NonNegFloat, doc("Test hook: seconds every storage call sleeps.", hidden=True)] = (
         0.0
     )
+    debug_storage_prefetch_stall_pages: Annotated[
+        NonNegInt, doc("Test hook: a storage prefetch holds after this many pages until it is revoked.", hidden=True)
+    ] = 0
     # Test hooks in the worker's copy path: 1-based counts over the worker's life of the copy orders
     # in `debug_transfer_direction`; 0: off.
     debug_transfer_direction: Annotated[
@@ -305,7 +308,7 @@ class CacheConfig(_Section):
         NonNegInt, doc("Test hook: the batch carrying the Nth copy order fails after its copies.", hidden=True)
     ] = 0
     debug_worker_exit_at_transfer: Annotated[
-        NonNegInt, doc("Test hook: the worker process dies during the Nth copy order.", hidden=True)
+        NonNegInt, doc("Test hook: the worker process dies during the Nth copy order (once per instance).", hidden=True)
     ] = 0
 
 

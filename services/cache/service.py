@@ -279,6 +279,7 @@ class CacheService(Actor[ToCache]):
                 self._host_pools.state_bytes,
                 page_size=cache.page_size,
                 prefetch_budget_tokens=max(layout.num_pages * cache.page_size, cache.page_size),
+                stall_prefetch_at=cache.debug_storage_prefetch_stall_pages,
             )
         except (ValueError, OSError, RuntimeError) as e:
             self.log.warning("storage tier off: %s: %s", type(e).__name__, e)

@@ -333,6 +333,8 @@ class StorageTier:
         if res.outcome is JobOutcome.FAILED:
             self.counters.errors["prefetch"] += 1
             _log.warning("storage prefetch of %s failed after %d pages: %s", pf.rid, res.num_pages, res.error)
+        if res.outcome is JobOutcome.PARTIAL:
+            self._forget_missing(pf, res)
         got = res.num_pages
         state_ok = res.state_ok and got == len(plan.host_pages)
         slot = pf.host_slot if state_ok else None
@@ -363,6 +365,24 @@ class StorageTier:
             pf.fetched = (plan.first_page * ps, end * ps)
         self._release_anchor(pf)
         pf.phase = "ready"
+
+    def _forget_missing(self, pf: _Prefetch, res: JobResult) -> None:
+        """A prefetch stopped at a miss: the store lacked a value its lookup reported (evicted, or
+        corrupt and dropped by the backend). Whatever this server believed it had stored from there
+        on is forgotten, so the next backup of the prefix writes those values again (the store
+        skips the ones it still holds); believing them stored would stop that prefix's storage hits
+        for good once a corrupt value had been dropped."""
+        assert pf.plan is not None
+        plan = pf.plan
+        self.stored.discard(plan.keys[plan.first_page + res.num_pages :])
+        if pf.host_slot is not None and not res.state_ok and res.num_pages == len(plan.host_pages):
+            self.stored_states.discard([plan.keys[-1]])
+        lost = [
+            plan.keys[at - 1]
+            for at, _ in pf.mid
+            if at - plan.first_page <= res.num_pages and at - plan.first_page not in res.states_read
+        ]
+        self.stored_states.discard(lost)
 
     def _release_anchor(self, pf: _Prefetch) -> None:
         if pf.anchor_pin is not None:

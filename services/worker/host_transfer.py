@@ -7,8 +7,10 @@ ordering guarantee the cache controller relies on: an order runs before any late
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -17,6 +19,8 @@ from himamba.common.host_layout import HostPoolLayout, StateComponentLayout
 from himamba.common.host_pool import HostPools, open_host_pools
 from himamba.common.messages import SeqPlan, Transfer
 from himamba.services.worker.pools import KVPool, StatePool
+
+_log = logging.getLogger("himamba.worker")
 
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -52,24 +56,48 @@ class TransferFault(RuntimeError):
 class CopyFaults:
     """The test hooks of the copy path (CacheConfig.debug_*_at*), counted over copy orders: the
     Nth order fails, the batch carrying the Nth order fails after its copies, the process dies
-    during the Nth order (before any byte of it is copied)."""
+    during the Nth order (its KV pages copied, its states not).
 
-    def __init__(self, fail_at: int = 0, batch_fail_at: int = 0, exit_at: int = 0, direction: str = "any"):
+    The exit hook fires once per server instance: with `exit_marker` it creates that file as it
+    fires and is off in a process that finds the file, so a worker restarted by a supervisor (same
+    config, same environment) does not die again at its own Nth order."""
+
+    def __init__(
+        self, fail_at: int = 0, batch_fail_at: int = 0, exit_at: int = 0, direction: str = "any",
+        exit_marker: Path | None = None,
+    ):  # fmt: skip
         self.fail_at, self.batch_fail_at, self.exit_at = fail_at, batch_fail_at, exit_at
         self.direction = direction
+        self.exit_marker = exit_marker
+        if exit_at and exit_marker is not None and exit_marker.exists():
+            _log.warning("test hook: the worker already died at a copy order (%s exists): not again", exit_marker)
+            self.exit_at = 0
         self.seen = 0
         self.fail_batch = False
+        self.dying = False
 
     def before(self, t: Transfer) -> None:
         if self.direction != "any" and t.direction != self.direction:
             return
         self.seen += 1
         if self.seen == self.exit_at:
-            os._exit(70)  # a worker killed with copies in flight
+            self.dying = True  # in the middle of this order: `midway`
         if self.seen == self.batch_fail_at:
             self.fail_batch = True
         if self.seen == self.fail_at:
             raise TransferFault(f"copy order {t.op_id} failed (debug_transfer_fail_at={self.fail_at})")
+
+    def midway(self) -> None:
+        """Between an order's KV copy and its state copy: the exit hook's worker dies here, with
+        copies in flight (this order half done, the batch's later ones not started)."""
+        if not self.dying:
+            return
+        if self.exit_marker is not None:
+            try:
+                self.exit_marker.touch()
+            except OSError:
+                pass  # it fires again after a restart: the supervisor's problem, not a wrong answer
+        os._exit(70)
 
 
 class TransferOutcome(NamedTuple):
@@ -195,9 +223,11 @@ class HostTransfer:
             raise ValueError(f"transfer {t.op_id}: source and destination lengths differ")
         if t.direction == "d2h":
             self._kv_d2h(t.kv_src, t.kv_dst)
+            self.faults.midway()
             self._state_copy(t.state_src, t.state_dst, to_host=True)
         else:
             self._kv_h2d(t.kv_src, t.kv_dst)
+            self.faults.midway()
             self._state_copy(t.state_src, t.state_dst, to_host=False)
 
     def _kv_d2h(self, dev_pages: list[int], host_pages: list[int]) -> None:

@@ -30,6 +30,7 @@ from himamba.common.messages import (
 )
 from himamba.common.metrics import WORKER_STEP_TIME, WORKER_STEP_TOKENS
 from himamba.common.metrics_report import MetricsReporter
+from himamba.common.runtime_dir import instance_dir
 from himamba.common.transport import Outbox
 from himamba.common.wire import WireError, tensor_ref
 from himamba.services.actor import Actor
@@ -92,6 +93,7 @@ class WorkerService(Actor[ToWorker]):
         faults = CopyFaults(
             c.debug_transfer_fail_at, c.debug_batch_fail_at_transfer, c.debug_worker_exit_at_transfer,
             c.debug_transfer_direction,
+            exit_marker=instance_dir(cfg) / "debug-worker-exit.fired" if c.debug_worker_exit_at_transfer else None,
         )
         self.host = HostTransfer(self.kv, self.state, layout, self.device, faults)
         tokenizer_json = Path(cfg.model.tokenizer or cfg.model.model) / "tokenizer.json"

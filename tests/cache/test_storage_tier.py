@@ -17,6 +17,7 @@ from himamba.services.cache.allocator import PageAllocator, SlotAllocator
 from himamba.services.cache.controller import CacheController
 from himamba.services.cache.keys import page_keys
 from himamba.services.cache.radix_tree import RadixTree
+from himamba.services.cache.storage.base import HEADER_BYTES
 from himamba.services.cache.storage.file import FileBackend
 from himamba.services.cache.storage.flaky import FlakyBackend
 from himamba.services.cache.storage.io_workers import StorageIO
@@ -397,4 +398,37 @@ def test_anchors_of_missed_lookups_are_released_before_a_hit_decides(tmp_path):
     for rid in ["m0", "m1", "m2", "hit"]:
         rig.ctrl.apply(CancelPrefetch(rid=rid))
     rig.drain()
+    rig.close()
+
+
+def test_a_prefix_whose_stored_values_were_all_corrupted_is_written_again_and_hits_resume(tmp_path):
+    """Every stored value corrupted: each prefetch meets corruption and the request recomputes,
+    and the backups of what it recomputed write the values again (this server believed them
+    stored, which must not stop the rewrite), until the whole prefix is a storage hit again."""
+    toks = _prompt(41, 4)
+    _stored_prefix(tmp_path, toks)  # 10 pages, states at pages 4, 6 and 10
+    num_bad = 0
+    for seg in tmp_path.rglob("*.seg"):
+        data = bytearray(seg.read_bytes())
+        off = 0
+        while off < len(data):
+            nbytes = int.from_bytes(data[off + 12 : off + 20], "little")
+            data[off + HEADER_BYTES + nbytes // 2] ^= 0x5A
+            off += HEADER_BYTES + nbytes
+            num_bad += 1
+        seg.write_bytes(bytes(data))
+    assert num_bad >= 13
+    rig = Rig(tmp_path, hicache_storage_prefetch_policy="wait_complete")
+    tree = rig.ctrl.tree
+    hits = []
+    for i in range(12):
+        res = rig.serve(f"r{i}", toks + [3])  # every served byte checked
+        hits.append(res.cached.storage)
+        rig.drain()
+        if res.cached.storage == 40:
+            break
+        tree.evict(10**6)
+        tree.evict_host(10**6)  # the next request can only be served from storage
+    assert hits[0] == 0 and hits[-1] == 40, hits
+    assert rig.backend.stats().num_corrupt > 0
     rig.close()

@@ -19,8 +19,9 @@ def test_every_field_is_documented_once():
         assert info.doc.endswith("."), info.flag
     hidden = {info.field for info in fields() if info.hidden}
     assert hidden == {
-        "debug_fail_lazy_alloc", "debug_storage_fail_rate", "debug_storage_slow_s", "debug_transfer_direction",
-        "debug_transfer_fail_at", "debug_batch_fail_at_transfer", "debug_worker_exit_at_transfer",
+        "debug_fail_lazy_alloc", "debug_storage_fail_rate", "debug_storage_slow_s",
+        "debug_storage_prefetch_stall_pages", "debug_transfer_direction", "debug_transfer_fail_at",
+        "debug_batch_fail_at_transfer", "debug_worker_exit_at_transfer",
     }  # fmt: skip
 
 

@@ -5,6 +5,7 @@ and the cache invariants clean."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import stat
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from himamba.common.client import Client
+from himamba.common.client import AsyncClient, Client
 from tests.e2e.prompts import random_tokens
 from tests.e2e.storage_flags import STORAGE_FLAGS
 from tests.worker.hf_reference import greedy
@@ -143,6 +144,45 @@ def test_a_request_waiting_for_its_prefetch_makes_no_cache_round_trips(
     # Prefetch + admission attempt, the admission after PrefetchDone, pages for at most GEN decode
     # steps, the release: a handful, however long the prefetch took.
     assert s.cache_stats().cache_steps - before <= GEN + 4
+
+
+def test_best_effort_admits_a_hybrid_mid_prefetch_with_the_arrived_prefix_and_its_state(
+    server_factory, model_dir, ref, stored_conversation, tmp_path
+):
+    """best_effort on a hybrid model: a request admitted while its prefetch is in flight gets the
+    prefix that has arrived, with the state stored at its end, as a storage hit. The test hook
+    holds the prefetch after 2 pages (the first stored state) until the request is admitted; the
+    request waits behind a running one (one request at a time) until the hold is seen."""
+    store, history = stored_conversation  # states at 32 (2 pages) and 96 (6 pages)
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+    s = server_factory(
+        model_dir, *STORAGE_FLAGS[:-4], "--hicache-storage-prefetch-policy", "best_effort",
+        "--prefetch-timeout-max-s", "60", "--hicache-storage-dir", str(copy), "--max-running-requests", "1",
+        "--debug-storage-prefetch-stall-pages", "2",
+    )  # fmt: skip
+    nxt = history + random_tokens(20, 12)
+
+    async def admitted_mid_prefetch():  # type: ignore[no-untyped-def]
+        async with AsyncClient(s.endpoint, timeout_s=120) as c:
+            blocker = c.stream(input_ids=random_tokens(20, 13), max_tokens=400, ignore_eos=True).__aiter__()
+            await blocker.__anext__()  # running: the next request waits for its turn
+            task = asyncio.get_running_loop().create_task(c.generate(input_ids=nxt, max_tokens=GEN, ignore_eos=True))
+            deadline = time.monotonic() + 60
+            while "holds after 2 pages" not in s.log():
+                assert time.monotonic() < deadline, "the prefetch never reached the hold"
+                assert not task.done(), "admitted before its prefetch was in flight"
+                await asyncio.sleep(0.05)
+            await blocker.aclose()  # aborted: the waiting request is admitted mid-prefetch
+            return await task
+
+    out = asyncio.run(admitted_mid_prefetch())
+    assert out.usage is not None
+    assert out.usage.cached_tokens.storage == 32, out.usage  # the arrived prefix, not the stored 96
+    assert out.token_ids == greedy(ref, nxt, GEN)
+    st = s.cache_stats(check_invariants=True)
+    assert st.invariants_ok, st.invariants_error
+    assert st.host_pages_protected == 0 and st.host_states_protected == 0
 
 
 def test_two_servers_share_the_default_directory_under_one_cap(server_factory, model_dir, ref, tmp_path, monkeypatch):

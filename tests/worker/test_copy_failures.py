@@ -76,3 +76,29 @@ def test_the_batch_fault_fails_the_batch_carrying_the_order_after_its_copies_ran
     h = copier(batch_fail_at=2)
     out = h.run_orders([Transfer(1, "d2h", [0], [0]), Transfer(2, "d2h", [1], [1])])
     assert out.done == [1, 2] and not out.failed and h.faults.fail_batch
+
+
+def test_the_exit_hook_dies_mid_order_once_per_instance(copier, tmp_path):
+    """The worker dies during its Nth order (KV copied, states not); a restarted worker with the
+    same settings finds the marker and does not die again."""
+    import os
+
+    marker = tmp_path / "debug-worker-exit.fired"
+    h = copier()  # made (and removed) here: a child that dies cannot unlink its host pools
+
+    def incarnation() -> int:
+        pid = os.fork()
+        if pid == 0:  # the child: a worker's copy path with the hook
+            code = 0
+            try:
+                h.faults = CopyFaults(exit_at=2, exit_marker=marker)
+                out = h.run_orders([Transfer(1, "d2h", [0], [0]), Transfer(2, "d2h", [1], [1], [0], [0])])
+                code = 0 if out.done == [1, 2] else 3
+            except BaseException:  # noqa: BLE001 - a child must never return into pytest
+                code = 4
+            finally:
+                os._exit(code)
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+    assert incarnation() == 70 and marker.exists()
+    assert incarnation() == 0  # restarted with the same settings: the hook is spent

@@ -70,6 +70,7 @@ _MAGIC = b"HMBS"
 _HEADER = struct.Struct("<4sHBBIQ32s32s8xI")
 HEADER_BYTES = _HEADER.size  # 96
 _CRC_OFFSET = HEADER_BYTES - 4
+_CRC = struct.Struct("<I")
 assert HEADER_BYTES == 96 and KEY_BYTES == 32 and FINGERPRINT_BYTES == 32
 
 
@@ -100,6 +101,14 @@ class ValueCodec:
         head = _HEADER.pack(_MAGIC, FORMAT_VERSION, kind, 0, token_count, nbytes, self.fingerprint, key, 0)
         crc = _crc32(payload, _crc32(memoryview(head)[:_CRC_OFFSET]))
         return head[:_CRC_OFFSET] + struct.pack("<I", crc)
+
+    def header_into(self, buf: memoryview, kind: ValueKind, key: bytes, payload: Buffer, token_count: int = 0) -> None:
+        """`header(...)` written into `buf` (HEADER_BYTES, writable): no allocation per value."""
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"key: must be {KEY_BYTES} bytes, got {len(key)}")
+        nbytes = memoryview(payload).nbytes
+        _HEADER.pack_into(buf, 0, _MAGIC, FORMAT_VERSION, kind, 0, token_count, nbytes, self.fingerprint, key, 0)
+        _CRC.pack_into(buf, _CRC_OFFSET, _crc32(payload, _crc32(buf[:_CRC_OFFSET])))
 
     def problem(self, header: Buffer, kind: ValueKind, key: bytes, payload_bytes: int) -> str | None:
         """Why `header` cannot describe the expected value; None when it can (the checksum is
@@ -133,6 +142,19 @@ class ValueCodec:
             return None
         return ValueKind(k), bytes(key), nbytes
 
+    def verified(self, header: Buffer, kind: ValueKind, key: bytes, payload: Buffer) -> bool:
+        """`problem(...) is None and checksum_ok(...)` in one pass (the read path's hot loop)."""
+        magic, version, k, _flags, _tokens, nbytes, fp, stored_key, stored = _HEADER.unpack(header)
+        return (
+            stored_key == key
+            and magic == _MAGIC
+            and version == FORMAT_VERSION
+            and k == kind
+            and nbytes == memoryview(payload).nbytes
+            and fp == self.fingerprint
+            and _crc32(payload, _crc32(memoryview(header)[:_CRC_OFFSET])) == stored
+        )
+
     @staticmethod
     def checksum_ok(header: Buffer, payload: Buffer) -> bool:
         """Whether the CRC-32 in `header` matches header and payload."""
@@ -140,19 +162,24 @@ class ValueCodec:
         (stored,) = struct.unpack_from("<I", head, _CRC_OFFSET)
         return _crc32(payload, _crc32(head[:_CRC_OFFSET])) == stored
 
+    def check(self, blob: Buffer, kind: ValueKind, key: bytes, payload_bytes: int) -> str | None:
+        """Why a whole stored value (`header || payload`) is not the expected one; None when it is."""
+        view = memoryview(blob)
+        if view.nbytes != HEADER_BYTES + payload_bytes:
+            return f"value of {view.nbytes} bytes, expected {HEADER_BYTES + payload_bytes}"
+        head, payload = view[:HEADER_BYTES], view[HEADER_BYTES:]
+        why = self.problem(head, kind, key, payload_bytes)
+        if why is None and not self.checksum_ok(head, payload):
+            why = "checksum mismatch"
+        return why
+
     def decode_into(self, blob: Buffer, kind: ValueKind, key: bytes, dest: Buffer) -> str | None:
         """Verify a whole stored value (`header || payload`, as a remote store returns it) and copy
         its payload into `dest`; returns why it is not the expected value, None on success."""
-        view = memoryview(blob)
         out = memoryview(dest).cast("B")
-        if view.nbytes != HEADER_BYTES + out.nbytes:
-            return f"value of {view.nbytes} bytes, expected {HEADER_BYTES + out.nbytes}"
-        head, payload = view[:HEADER_BYTES], view[HEADER_BYTES:]
-        why = self.problem(head, kind, key, out.nbytes)
-        if why is None and not self.checksum_ok(head, payload):
-            why = "checksum mismatch"
+        why = self.check(blob, kind, key, out.nbytes)
         if why is None:
-            out[:] = payload.cast("B")
+            out[:] = memoryview(blob)[HEADER_BYTES:].cast("B")
         return why
 
 

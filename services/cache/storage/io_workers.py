@@ -39,6 +39,8 @@ from himamba.services.cache.storage.base import StorageBackend, StorageHit, find
 from himamba.services.cache.storage.budget import BudgetState, TokenBudget
 
 __all__ = [
+    "BACKUP_BATCH_PAGES",
+    "PREFETCH_BATCH_PAGES",
     "IOStats",
     "JobHandle",
     "JobKind",
@@ -50,6 +52,12 @@ __all__ = [
 ]
 
 _log = logging.getLogger("himamba.cache.storage")
+_STALL_MAX_S = 60.0
+# Pages per backend call. A prefetch checks for a revoke between calls (a request admitted
+# mid-fetch waits at most one call); a backup has no one waiting, so it writes in larger calls,
+# which costs fewer syscalls and less per-call work (what keeps the file tier near the disk).
+PREFETCH_BATCH_PAGES = 8
+BACKUP_BATCH_PAGES = 32
 
 
 class JobKind(StrEnum):
@@ -185,8 +193,9 @@ class StorageIO:
     """Supervised storage I/O threads over one backend and the host pools' uint8 views.
 
     `kv_bytes` is [num_host_pages, page_bytes] and `state_bytes` [num_host_slots, slot_bytes]
-    (HostPools.kv_bytes / state_bytes; either may be None). Jobs move `batch_pages` pages per
-    backend call and check for revocation between calls. `prefetch_budget_tokens` caps prefetch
+    (HostPools.kv_bytes / state_bytes; either may be None). Prefetches move `batch_pages` pages per
+    backend call and check for revocation between calls; backups move `backup_batch_pages` per
+    call. `prefetch_budget_tokens` caps prefetch
     tokens in flight, floored at one batch."""
 
     def __init__(
@@ -198,18 +207,24 @@ class StorageIO:
         page_size: int,
         prefetch_budget_tokens: int,
         num_workers: int = 2,
-        batch_pages: int = 8,
+        batch_pages: int = PREFETCH_BATCH_PAGES,
+        backup_batch_pages: int = BACKUP_BATCH_PAGES,
+        stall_prefetch_at: int = 0,
     ) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size: must be > 0, got {page_size}")
         if num_workers <= 0:
             raise ValueError(f"num_workers: must be > 0, got {num_workers}")
-        if batch_pages <= 0:
-            raise ValueError(f"batch_pages: must be > 0, got {batch_pages}")
+        if batch_pages <= 0 or backup_batch_pages <= 0:
+            raise ValueError(f"batch_pages, backup_batch_pages: must be > 0, got {batch_pages}, {backup_batch_pages}")
         self.backend = backend
         self.page_size = page_size
         self.batch_pages = batch_pages
+        self.backup_batch_pages = backup_batch_pages
         self.num_workers = num_workers
+        # Test hook (0: off): a prefetch job holds after this many pages until it is revoked, so a
+        # test can admit its request mid-fetch deterministically (bounded by `_STALL_MAX_S`).
+        self.stall_prefetch_at = stall_prefetch_at
         self._kv = _rows(kv_bytes, "kv_bytes")
         self._state = _rows(state_bytes, "state_bytes")
         self.budget = TokenBudget(prefetch_budget_tokens, floor_tokens=page_size * batch_pages)
@@ -372,11 +387,17 @@ class StorageIO:
         copy = self._prefetch_batch if job.kind is JobKind.PREFETCH else self._backup_batch
         mids = list(job.mid_states)
         start = 0
+        stall = self.stall_prefetch_at if job.kind is JobKind.PREFETCH else 0
+        step = self.batch_pages if job.kind is JobKind.PREFETCH else self.backup_batch_pages
         while start < len(job.keys):
+            if stall and start == stall:
+                self._stall(job)
             if job.revoked:
                 self._finish(job, JobOutcome.REVOKED, None)
                 return
-            end = min(start + self.batch_pages, len(job.keys), *(at for at, _ in mids[:1]))
+            end = min(start + step, len(job.keys), *(at for at, _ in mids[:1]))
+            if start < stall:
+                end = min(end, stall)
             n = copy(job.keys[start:end], job.host_pages[start:end])
             job.num_bytes += n * self._kv.shape[1]  # type: ignore[union-attr]
             with job.lock:
@@ -409,6 +430,13 @@ class StorageIO:
         with job.lock:
             complete = job.num_pages == len(job.keys) and (job.state is None or job.state_ok)
         self._finish(job, JobOutcome.DONE if complete else JobOutcome.REVOKED, None)
+
+    def _stall(self, job: _Job) -> None:
+        """The test hook: hold until the job is revoked (or `_STALL_MAX_S` passed)."""
+        _log.warning("test hook: prefetch job %d holds after %d pages until it is revoked", job.id, job.num_pages)
+        deadline = time.monotonic() + _STALL_MAX_S
+        while not job.revoked and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def _read_mid_state(self, job: _Job, at: int, state: StateCopy) -> None:
         assert self._state is not None

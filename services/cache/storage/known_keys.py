@@ -40,5 +40,10 @@ class KnownKeys:
         for k in keys:
             self.add(k)
 
+    def discard(self, keys: Iterable[bytes]) -> None:
+        """Forget `keys` (the store turned out not to hold them)."""
+        for k in keys:
+            self._keys.pop(k, None)
+
     def clear(self) -> None:
         self._keys.clear()

@@ -376,6 +376,14 @@ class MooncakeBackend(RemoteBackend):
                 why = "checksum mismatch"
             if why is not None:
                 self._discard(client, name, why)
+                # The rest of the batch arrived in the same call: remove every other bad value
+                # now, so one backup replaces them all.
+                for j in range(i + 1, len(keys)):
+                    if codes[j] == HEADER_BYTES + targets[j][1] and not (
+                        self.codec.problem(heads[j], kind, keys[j], targets[j][1]) is None
+                        and self.codec.checksum_ok(heads[j], dest[j])
+                    ):
+                        self._discard(client, names[j], "corrupt (found beside another)")
                 break
             if kind is ValueKind.KV:
                 self.counters.add(num_read_pages=1, num_read_bytes=nbytes)

@@ -116,6 +116,23 @@ class RedisBackend(RemoteBackend):
             if not self._accept(key, name, value, ValueKind.KV, buf):
                 break
             n += 1
+        if n < len(keys) and values[n] is not None:
+            # A corrupt value: the rest of the batch came in the same reply, so check it too and
+            # delete every bad one now, so good copies can replace them all in one backup (a
+            # corruption usually hits more than one value).
+            page_bytes = memoryview(dest[n]).nbytes
+            bad = [
+                name
+                for key, name, value in zip(keys[n + 1 :], names[n + 1 :], values[n + 1 :])
+                if value is not None and self.codec.check(value, ValueKind.KV, key, page_bytes) is not None
+            ]
+            if bad:
+                self.counters.add(num_corrupt=len(bad))
+                _log.warning("storage: %s holds %d more bad values in the batch; deleted", self.link.what, len(bad))
+                try:
+                    self._call(lambda: self._redis.delete(*bad))
+                except _Unserved:
+                    pass
         return n
 
     def get_state(self, key: bytes, dest: Buffer) -> bool:

@@ -116,6 +116,31 @@ def test_a_damaged_value_is_a_counted_miss_and_is_forgotten(tmp_path: Path, dama
     assert _read(b, keys)[0] == 4
 
 
+def test_a_corrupt_value_makes_the_read_check_its_whole_batch(tmp_path: Path) -> None:
+    """Every value damaged: the first read forgets all of the batch's bad values (not only the
+    first), so one backup writes them all again and the next read is a full hit."""
+    b = FileBackend(FP, tmp_path)
+    keys, pages = _keys(6), _pages(6)
+    _store(b, keys, pages)
+    b.close()
+    for path in tmp_path.rglob("*.seg"):
+        data = bytearray(path.read_bytes())
+        for i in range(6):
+            data[i * (HEADER_BYTES + PAGE) + HEADER_BYTES + 5] ^= 0x01
+        path.write_bytes(bytes(data))
+    b = FileBackend(FP, tmp_path)
+    assert b.exists(keys) == 6  # headers intact: the lookup cannot tell
+    n, _ = _read(b, keys[:4])
+    assert n == 0
+    s = b.stats()
+    assert s.num_corrupt == 4 and s.num_read_pages == 0
+    assert b.exists(keys) == 0
+    assert _store(b, keys, pages) == [True] * 6
+    assert b.stats().num_written_pages == 4 and b.stats().num_skipped_writes == 2  # 4, 5 were not read yet
+    n, out = _read(b, keys[:4])
+    assert n == 4 and np.array_equal(out, pages[:4])
+
+
 def test_a_torn_segment_tail_is_ignored_at_open_and_the_rest_serves(tmp_path: Path) -> None:
     b = FileBackend(FP, tmp_path)
     keys, pages = _keys(4), _pages(4)
@@ -314,3 +339,34 @@ def test_default_directory_follows_xdg_cache_home(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert default_storage_dir() == tmp_path / "himamba" / "storage"
     assert FileBackend(FP).dir == tmp_path / "himamba" / "storage" / FP.hex()
+
+
+def _fds_under(directory: Path) -> int:
+    """This process's open descriptors of files under `directory` (deleted ones included)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        n += target.startswith(str(directory))
+    return n
+
+
+def test_read_descriptors_are_kept_but_never_outlive_their_segment_or_the_backend(tmp_path: Path) -> None:
+    b = FileBackend(FP, tmp_path)
+    keys, pages = _keys(4), _pages(4)
+    _store(b, keys, pages)
+    assert _read(b, keys)[0] == 4
+    assert _read(b, keys)[0] == 4
+    assert _fds_under(tmp_path) == 2  # the writer's segment and one kept reader (not one per call)
+    b._close_active()
+    for seg in _segments(b):
+        seg.unlink()  # evicted by another server
+    b._rescan(force=True)
+    assert _read(b, keys)[0] == 0
+    assert _fds_under(tmp_path) == 0, "a descriptor kept a deleted segment's space"
+    _store(b, keys, pages)
+    assert _read(b, keys)[0] == 4
+    b.close()
+    assert _fds_under(tmp_path) == 0

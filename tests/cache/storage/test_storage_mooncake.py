@@ -69,6 +69,23 @@ def test_values_written_by_others_are_misses(backend: MooncakeBackend, raw_clien
     rc.check_verification(backend, write_raw, _name)
 
 
+def test_a_corrupt_value_makes_the_read_drop_every_bad_value_of_its_batch(
+    backend: MooncakeBackend, raw_client: Any
+) -> None:
+    from himamba.services.cache.storage.base import ValueCodec
+
+    ks = [bytes([7, i]) * 16 for i in range(4)]
+    data = rc.pages(4, seed=13)
+    codec = ValueCodec(rc.FP)
+    for k, row in zip(ks, data):
+        bad = row.copy()
+        bad[3] ^= 0x01
+        assert raw_client.put(_name(k, ValueKind.KV), codec.header(ValueKind.KV, k, row) + bad.tobytes()) == 0
+    before = backend.stats().num_corrupt
+    assert rc.read(backend, ks)[0] == 0
+    assert backend.stats().num_corrupt - before == 4  # every bad value of the batch found (and removed when not leased)
+
+
 def test_a_full_pool_refuses_or_evicts_and_never_returns_wrong_bytes(
     mooncake_factory: Callable[..., LocalMooncake],
 ) -> None:

@@ -59,6 +59,26 @@ def test_values_written_by_others_are_misses_and_are_replaced(backend: RedisBack
     assert rc.read(backend, k2)[0] == 0
 
 
+def test_a_corrupt_value_makes_the_read_delete_every_bad_value_of_its_batch(
+    backend: RedisBackend, server: LocalRedis
+) -> None:
+    raw = redis.Redis.from_url(server.url)
+    ks, data = rc.keys(5), rc.pages(5, seed=11)
+    assert rc.store(backend, ks, data) == [True] * 5
+    for k in ks[:4]:  # every value but the last damaged
+        name = _name(k, ValueKind.KV)
+        value = bytearray(raw.get(name))
+        value[-7] ^= 0x01
+        raw.set(name, bytes(value))
+    before = backend.stats().num_corrupt
+    assert rc.read(backend, ks)[0] == 0
+    assert backend.stats().num_corrupt - before == 4
+    assert [raw.exists(_name(k, ValueKind.KV)) for k in ks] == [0, 0, 0, 0, 1]  # all four gone, the good one kept
+    assert rc.store(backend, ks, data) == [True] * 5  # one backup replaces them all
+    n, out = rc.read(backend, ks)
+    assert n == 5 and np.array_equal(out, data)
+
+
 def test_a_full_lru_server_evicts_and_never_returns_wrong_bytes(redis_factory: Callable[..., LocalRedis]) -> None:
     small = redis_factory(maxmemory_bytes=2 << 20, policy="allkeys-lru")
     b = RedisBackend(rc.FP, small.url)
