@@ -424,22 +424,27 @@ class SchedulerService(Actor[ToScheduler]):
         in_flight, seq_errors = self._in_flight, done.seq_errors
         token_lps, prompt_lps = done.token_logprobs, done.prompt_logprobs
         max_context_len = self.cfg.model.max_context_len
+        next_tokens, strategy = done.next_tokens, self.strategy
+        # Per running request on every step, before the next RunBatch can leave: attributes are
+        # read once into locals and nothing is called on the common path but check_stop.
         for i, (req, n) in enumerate(plan.items):
             if req.status != "running":
                 continue
             req.state_init = "keep"
-            req.computed_len += n
+            computed = req.computed_len = req.computed_len + n
             if in_flight:
                 done_caps = in_flight.get(req.rid)
                 if done_caps:
-                    for op in captures.commit(req, done_caps, self.strategy):
+                    for op in captures.commit(req, done_caps, strategy):
                         self.cache.queue(op)
             if prompt_lps and i in prompt_lps:
                 logprobs.absorb_prompt(req, prompt_lps[i])
             if req.abort_requested:
                 self._finish(req, "abort", outs)
                 continue
-            if req.computed_len < len(req.prompt_ids) + len(req.output_ids):
+            output = req.output_ids
+            context_len = len(req.prompt_ids) + len(output)
+            if computed < context_len:
                 continue  # a prefill chunk that did not reach the end: no token yet
             if seq_errors and i in seq_errors:  # this sequence alone failed (sampling): its batch-mates go on
                 self._finish(req, "error", outs, error=seq_errors[i])
@@ -450,22 +455,23 @@ class SchedulerService(Actor[ToScheduler]):
                 self.log.error("%s: prompt logprobs: %d of %d positions", req.rid, held, wanted)
                 self._finish(req, "error", outs, error=error)
                 continue
-            token = done.next_tokens[i]
-            req.output_ids.append(token)
+            token = next_tokens[i]
+            output.append(token)
+            num_output = len(output)
             token_lp, top_lp = logprobs.token_logprobs(req, done, i) if token_lps else (None, None)
             if req.first_token_time is None:
                 req.first_token_time = now
                 if req.siblings:
                     self.cache.memory_changed()  # its siblings may now be admitted
-            reason = check_stop(req, max_context_len)
+            reason = check_stop(req, token, num_output, context_len + 1, max_context_len)
             # The TokenOut itself is built after the next RunBatch left (`_flush`): only what
             # the next step depends on (the token, the stop check) is done before it.
             cached = None if req.cached_reported else self._cached_once(req)
             if token_lp is None and not wants_prompt:
-                outs.append((req, token, len(req.output_ids), reason, cached))
+                outs.append((req, token, num_output, reason, cached))
             else:
                 prompt_lp = logprobs.first_prompt_logprobs(req) if wants_prompt else None
-                outs.append(_NewToken(req, token, len(req.output_ids), reason, cached, token_lp, top_lp, prompt_lp))
+                outs.append(_NewToken(req, token, num_output, reason, cached, token_lp, top_lp, prompt_lp))
             if reason is not None:
                 self._finish(req, reason, outs, emitted=True)
 

@@ -6,17 +6,15 @@ from himamba.common.types import FinishReason
 from himamba.services.scheduler.request import Req
 
 
-def check_stop(req: Req, max_context_len: int) -> FinishReason | None:
-    """Why `req` is finished after its newest token, or None to keep going."""
-    if not req.output_ids:
-        return None
-    last = req.output_ids[-1]
-    if not req.sampling.ignore_eos and last in req.eos_ids:
+def check_stop(req: Req, token: int, num_output: int, context_len: int, max_context_len: int) -> FinishReason | None:
+    """Why `req` is finished after its newest token `token` (its output now `num_output` tokens,
+    its context `context_len`), or None to keep going. The lengths come from the caller, which
+    has them at hand: this runs for every running request on every step."""
+    sampling = req.sampling
+    if token in req.eos_ids and not sampling.ignore_eos:
         return "stop"
-    if last in req.sampling.stop_token_ids:
+    if sampling.stop_token_ids and token in sampling.stop_token_ids:
         return "stop"
-    if len(req.output_ids) >= req.max_tokens:
-        return "length"
-    if req.context_len >= max_context_len:
+    if num_output >= req.max_tokens or context_len >= max_context_len:
         return "length"
     return None

@@ -9,7 +9,11 @@ from himamba.services.scheduler import mamba_track
 
 def validate_against_worker(cfg: Config, info: WorkerInfo, strategy: mamba_track.Strategy) -> str:
     """An explanation of what cannot work, or "" when the pools can serve this config."""
-    if info.num_recurrent_layers == 0 and strategy != "no_buffer" and cfg.scheduler.mamba_scheduler_strategy != "no_buffer":
+    if (
+        info.num_recurrent_layers == 0
+        and strategy != "no_buffer"
+        and cfg.scheduler.mamba_scheduler_strategy != "no_buffer"
+    ):
         return (
             f"mamba_scheduler_strategy {strategy} needs recurrent layers, and this model has none; "
             "use --mamba-scheduler-strategy no_buffer"
