@@ -1,0 +1,163 @@
+"""Tool calls in the XML style of Qwen3-Coder, Qwen3-Next and Nemotron 3:
+
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+
+(the inside of a `<tool_call>` block). Parameter values are text; each is converted to the JSON
+type the tool's schema gives it (a string stays a string, `3` becomes 3 for an integer, an
+object is parsed), and without a schema JSON-looking values are parsed. The call is announced
+at `<function=name>`, each parameter goes out as a fragment of the arguments object when its
+`</parameter>` arrives, and `</function>` closes it: the fragments join to
+`json.dumps(arguments)`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from himamba.services.tokenizer.tool_parsers.events import Event, ToolArgs, ToolStart
+
+_FUNCTION = "<function="
+_FUNCTION_END = "</function>"
+_PARAMETER = "<parameter="
+_PARAMETER_END = "</parameter>"
+_WS = " \t\r\n"
+
+
+class XmlCallScanner:
+    """Scans the inside of a tool-call block written in the XML style; `tools` (the request's)
+    give the parameters' types."""
+
+    def __init__(self, first_index: int, tools: list[dict[str, Any]] | None):
+        self.text = ""
+        self.error_at: int | None = None
+        self.next_index = first_index
+        self._tools = tools or []
+        self._pos = 0
+        self._state = "function"  # function, name, params, pname, value
+        self._name = ""
+        self._params = 0  # parameters sent for the current call
+        self._pname = ""
+        self._value_start = 0
+        self._search_from = 0
+
+    def feed(self, text: str) -> list[Event]:
+        self.text += text
+        out: list[Event] = []
+        while self.error_at is None and self._step(out):
+            pass
+        return out
+
+    def _step(self, out: list[Event]) -> bool:
+        """One move of the state machine; False when it needs more text."""
+        buf, pos = self.text, self._pos
+        if self._state in ("function", "params"):
+            while pos < len(buf) and buf[pos] in _WS:
+                pos += 1
+            self._pos = pos
+            rest = buf[pos:]
+            if not rest:
+                return False
+            markers = (_FUNCTION,) if self._state == "function" else (_PARAMETER, _FUNCTION_END)
+            for marker in markers:
+                if rest.startswith(marker):
+                    self._pos = pos + len(marker)
+                    self._on_marker(marker, out)
+                    return True
+            if any(marker.startswith(rest) for marker in markers):
+                return False  # a marker may be arriving
+            self.error_at = pos
+            return False
+        if self._state in ("name", "pname"):
+            k = buf.find(">", pos)
+            if k < 0:
+                return False
+            value = buf[pos:k].strip()
+            self._pos = k + 1
+            if self._state == "name":
+                if not value:
+                    self.error_at = pos
+                    return False
+                self._name, self._params, self._state = value, 0, "params"
+                out.append(ToolStart(self.next_index, value))
+            else:
+                self._pname, self._state = value, "value"
+                self._value_start = self._search_from = self._pos
+            return True
+        # value: up to </parameter> (or a </function> that closes it early)
+        end = buf.find(_PARAMETER_END, self._search_from)
+        cut = buf.find(_FUNCTION_END, self._search_from)
+        if end < 0 and cut < 0:
+            self._search_from = max(self._value_start, len(buf) - len(_PARAMETER_END) + 1)
+            return False
+        stop = end if end >= 0 and (cut < 0 or end < cut) else cut
+        value = buf[self._value_start : stop]
+        self._pos = stop + len(_PARAMETER_END) if stop == end else stop
+        self._send_parameter(value, out)
+        self._state = "params"
+        return True
+
+    def _on_marker(self, marker: str, out: list[Event]) -> None:
+        if marker == _FUNCTION:
+            self._state = "name"
+        elif marker == _PARAMETER:
+            self._state = "pname"
+        else:  # </function>
+            out.append(ToolArgs(self.next_index, "}" if self._params else "{}"))
+            self.next_index += 1
+            self._state = "function"
+
+    def _send_parameter(self, raw: str, out: list[Event]) -> None:
+        if raw.startswith("\n"):
+            raw = raw[1:]
+        if raw.endswith("\n"):
+            raw = raw[:-1]
+        value = convert_parameter(raw, _parameter_type(self._tools, self._name, self._pname))
+        head = "{" if self._params == 0 else ", "
+        self._params += 1
+        key = json.dumps(self._pname, ensure_ascii=False)
+        out.append(ToolArgs(self.next_index, f"{head}{key}: {json.dumps(value, ensure_ascii=False)}"))
+
+
+def _parameter_type(tools: list[dict[str, Any]], function: str, parameter: str) -> Any:
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and fn.get("name") == function:
+            props = (fn.get("parameters") or {}).get("properties") or {}
+            spec = props.get(parameter)
+            return spec.get("type") if isinstance(spec, dict) else None
+    return None
+
+
+def convert_parameter(raw: str, json_type: Any) -> Any:
+    """A parameter's text as the JSON value its schema type says (the text itself when it does not fit)."""
+    types = json_type if isinstance(json_type, list) else [json_type]
+    if "string" in types:
+        return raw
+    text = raw.strip()
+    if text == "null" and ("null" in types or None in types):
+        return None
+    for t in types:
+        if t == "integer":
+            try:
+                return int(text)
+            except ValueError:
+                pass
+        elif t == "number":
+            try:
+                number = float(text)
+                return int(number) if number.is_integer() and "." not in text and "e" not in text.lower() else number
+            except ValueError:
+                pass
+        elif t == "boolean" and text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        elif t in ("object", "array", None):
+            try:
+                return json.loads(text)
+            except ValueError:
+                pass
+    return raw
