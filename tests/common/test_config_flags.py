@@ -138,6 +138,7 @@ def test_aliases_map_to_the_field_they_name(argv, section, field, value):
         ["--trust-remote-code"],
         ["--tp", "1"],
         ["--kv-cache-dtype", "auto"],
+        ["--enable-auto-tool-choice"],
     ],
 )
 def test_flags_that_ask_for_what_we_do_are_accepted(argv):
@@ -145,9 +146,6 @@ def test_flags_that_ask_for_what_we_do_are_accepted(argv):
 
 
 REFUSED = [
-    (["--enable-auto-tool-choice"], "tool-call parser"),
-    (["--tool-call-parser", "hermes"], "tool-call parser"),
-    (["--reasoning-parser", "deepseek_r1"], "reasoning parser"),
     (["--tensor-parallel-size", "2"], "one device"),
     (["--tp-size", "4"], "one device"),
     (["--quantization", "fp8"], "Quantized"),
