@@ -49,12 +49,28 @@ RECORDED: list[Case] = [
         {"content": "I will look it up.", "calls": [("get_weather", {"city": "Zürich", "days": 3}), ("now", {})]},
     ),
     (
-        "granite4_hermes",  # Granite-4.0-H: the same tags, arguments may hold nested values
+        "granite4_hermes",  # Granite-4.0-H (IBM's prompt guide): the same tags; nested values
         "hermes",
         False,
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京", "hours": [1, 2], "metric": true}}\n'
         "</tool_call>",
         {"content": None, "calls": [("get_weather", {"city": "東京", "hours": [1, 2], "metric": True})]},
+    ),
+    (
+        "falcon_h1_hermes_array",  # Falcon-H1's template: a JSON array of calls inside one <tool_call>
+        "hermes",
+        False,
+        '<tool_call>\n[\n  {"name": "get_weather", "arguments": {"city": "Paris"}},\n  {"name": "now", "arguments": {}}\n]'
+        "\n</tool_call>",
+        {"content": None, "calls": [("get_weather", {"city": "Paris"}), ("now", {})]},
+    ),
+    (
+        "falcon_h1_openai_shape",  # its history is rendered with tojson: the model may echo OpenAI's shape
+        "hermes",
+        False,
+        '<tool_call>\n[{"id": "call_1", "type": "function", "function": {"name": "now", "arguments": "{}"}}]\n'
+        "</tool_call>",
+        {"content": None, "calls": [("now", {})]},
     ),
     (
         "falcon_h1_hermes_args_first",  # keys in the other order, arguments as a JSON string

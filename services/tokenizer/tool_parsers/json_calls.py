@@ -209,6 +209,13 @@ class JsonCallScanner:
         start, self._obj_start = self._obj_start, -1
         if not self._announced:
             obj = _loads(self.text[start : i + 1])
+            wrapped = obj.get("function") if isinstance(obj, dict) else None
+            if isinstance(wrapped, dict) and self._name is None:
+                # OpenAI's own shape, which templates that render history with tojson teach
+                # (Falcon-H1): {"id", "type": "function", "function": {"name", "arguments"}}.
+                self._name = wrapped.get("name")
+                args = wrapped.get("arguments", wrapped.get("parameters"))
+                self._args_text = None if args is None else json.dumps(args, ensure_ascii=False)
             if not (isinstance(obj, dict) and isinstance(self._name, str) and self._name):
                 self._fail(start)  # not a call: the owner turns it back into text
                 return
