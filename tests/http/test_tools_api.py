@@ -26,7 +26,7 @@ Harness = Any  # tests/http/conftest.py's Harness
 # opened in the prompt unless enable_thinking is false.
 TOOL_TEMPLATE = (
     "{% if tools %}<|system|>\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n"
-    "Call a function as <tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
+    'Call a function as <tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
     "</tool_call><|endoftext|>\n{% endif %}"
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n"
@@ -65,7 +65,9 @@ class ToolHarness:
 
     def stream(self, body: dict[str, Any]) -> list[Any]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        conn.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}), {"Authorization": f"Bearer {KEY}"})
+        conn.request(
+            "POST", "/v1/chat/completions", json.dumps({**body, "stream": True}), {"Authorization": f"Bearer {KEY}"}
+        )
         resp = conn.getresponse()
         assert resp.status == 200, resp.read()
         events = []
@@ -79,7 +81,9 @@ class ToolHarness:
 
     def prompt_of(self, marker: str) -> str:
         add = self.scheduler.wait_for(
-            lambda m: isinstance(m, AddRequest) and marker in self.tokenizer.decode(m.input_ids, skip_special_tokens=False)
+            lambda m: (
+                isinstance(m, AddRequest) and marker in self.tokenizer.decode(m.input_ids, skip_special_tokens=False)
+            )
         )
         return self.tokenizer.decode(add.input_ids, skip_special_tokens=False)
 

@@ -60,8 +60,8 @@ RECORDED: list[Case] = [
         "falcon_h1_hermes_array",  # Falcon-H1's template: a JSON array of calls inside one <tool_call>
         "hermes",
         False,
-        '<tool_call>\n[\n  {"name": "get_weather", "arguments": {"city": "Paris"}},\n  {"name": "now", "arguments": {}}\n]'
-        "\n</tool_call>",
+        '<tool_call>\n[\n  {"name": "get_weather", "arguments": {"city": "Paris"}},\n'
+        '  {"name": "now", "arguments": {}}\n]\n</tool_call>',
         {"content": None, "calls": [("get_weather", {"city": "Paris"}), ("now", {})]},
     ),
     (
@@ -135,7 +135,10 @@ RECORDED: list[Case] = [
         "</function>\n</tool_call>",
         {
             "content": "Let me check.",
-            "calls": [("get_weather", {"city": "São Paulo", "days": 3, "metric": False, "hours": [6, 18]}), ("now", {})],
+            "calls": [
+                ("get_weather", {"city": "São Paulo", "days": 3, "metric": False, "hours": [6, 18]}),
+                ("now", {}),
+            ],
         },
     ),
     (

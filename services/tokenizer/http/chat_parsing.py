@@ -62,9 +62,7 @@ class ChatParsing:
             )
         return msgspec.structs.replace(sampling, grammar=plan.grammar)
 
-    def shaping(
-        self, plan: ToolPlan, tools: list[Any] | None, prompt_text: str
-    ) -> Callable[[], AnswerShaper] | None:
+    def shaping(self, plan: ToolPlan, tools: list[Any] | None, prompt_text: str) -> Callable[[], AnswerShaper] | None:
         """A maker of one choice's answer shaper (None: the answer is plain content)."""
         reasoning = self.reasoning_parser
         if plan.mode == "none" and reasoning is None:

@@ -49,7 +49,7 @@ def _check_tools(tools: list[Any]) -> dict[str, dict[str, Any]]:
         if not isinstance(tool, dict):
             raise ApiError(400, f"{where} must be an object", param="tools")
         if tool.get("type") != "function":
-            raise ApiError(400, f"{where}.type must be \"function\" (the only tool type supported)", param="tools")
+            raise ApiError(400, f'{where}.type must be "function" (the only tool type supported)', param="tools")
         unknown = sorted(set(tool) - _TOOL_FIELDS)
         if unknown:
             raise ApiError(400, f"{where}: unrecognized field {unknown[0]!r}", param="tools")
@@ -93,7 +93,11 @@ def required_schema(functions: dict[str, dict[str, Any]], parallel: bool) -> dic
         }
         for name, fn in functions.items()
     ]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+    }
     if not parallel:
         schema["maxItems"] = 1
     return schema
@@ -113,9 +117,7 @@ def _named(choice: dict[str, Any]) -> str:
     return fn["name"]
 
 
-def plan_tools(
-    tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool, parser: str | None
-) -> ToolPlan:
+def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool, parser: str | None) -> ToolPlan:
     """Check a chat request's tool fields; `parser` is the server's tool-call format (None: none)."""
     functions = _check_tools(tools) if tools else {}
     if tool_choice is None:
@@ -123,15 +125,15 @@ def plan_tools(
     if tool_choice == "none":
         return ToolPlan("none")
     if not functions:
-        raise ApiError(400, "tool_choice other than \"none\" needs tools", param="tool_choice")
+        raise ApiError(400, 'tool_choice other than "none" needs tools', param="tool_choice")
     max_calls = None if parallel_tool_calls else 1
     if tool_choice == "auto":
         strict = [i for i, fn in enumerate(functions.values()) if fn.get("strict")]
         if strict:
             raise ApiError(
                 400,
-                f"tools[{strict[0]}].function.strict: true is enforced only under tool_choice \"required\" or a named "
-                "function (under \"auto\" the model may answer in text); send one of those, or strict: false",
+                f'tools[{strict[0]}].function.strict: true is enforced only under tool_choice "required" or a named '
+                'function (under "auto" the model may answer in text); send one of those, or strict: false',
                 param="tools",
             )
         if parser is None:
@@ -145,7 +147,9 @@ def plan_tools(
         return ToolPlan("auto", parser=parser, max_calls=max_calls)
     if tool_choice == "required":
         schema = required_schema(functions, parallel_tool_calls)
-        return ToolPlan("required", grammar=GrammarSpec(kind="json_schema", spec=json.dumps(schema)), max_calls=max_calls)
+        return ToolPlan(
+            "required", grammar=GrammarSpec(kind="json_schema", spec=json.dumps(schema)), max_calls=max_calls
+        )
     if isinstance(tool_choice, dict):
         name = _named(tool_choice)
         if name not in functions:

@@ -112,10 +112,7 @@ class XmlCallScanner:
             self._state = "function"
 
     def _send_parameter(self, raw: str, out: list[Event]) -> None:
-        if raw.startswith("\n"):
-            raw = raw[1:]
-        if raw.endswith("\n"):
-            raw = raw[:-1]
+        raw = raw.removeprefix("\n").removesuffix("\n")
         value = convert_parameter(raw, _parameter_type(self._tools, self._name, self._pname))
         head = "{" if self._params == 0 else ", "
         self._params += 1
