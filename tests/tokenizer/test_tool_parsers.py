@@ -382,3 +382,16 @@ def test_unknown_parser_names_are_refused():
 
 
 Feed = Callable[[str], list[dict[str, Any]]]
+
+
+def test_xml_string_parameters_stream_as_they_are_written():
+    """A string parameter (a file's contents, say) reaches the client while it is being written."""
+    shaper = AnswerShaper(reasoning=None, tools=make_tool_parser("qwen3_coder", TOOLS))
+    deltas = shaper.feed('<tool_call>\n<function=get_weather>\n<parameter=city>\nLine "one"\nline two and more')
+    sent = "".join(tc["function"]["arguments"] for d in deltas for tc in d["tool_calls"] if "id" not in tc)
+    assert sent == '{"city": "Line \\"one\\"\\nline '  # JSON-escaped; the last 12 characters held back
+    deltas += shaper.feed(" text\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")
+    deltas += shaper.finish()
+    (call,) = shaper.message()["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": 'Line "one"\nline two and more text', "days": 2}
+    assert _joined(deltas)["calls"][0]["arguments"] == call["function"]["arguments"]

@@ -9,9 +9,9 @@
 (the inside of a `<tool_call>` block). Parameter values are text; each is converted to the JSON
 type the tool's schema gives it (a string stays a string, `3` becomes 3 for an integer, an
 object is parsed), and without a schema JSON-looking values are parsed. The call is announced
-at `<function=name>`, each parameter goes out as a fragment of the arguments object when its
-`</parameter>` arrives, and `</function>` closes it: the fragments join to
-`json.dumps(arguments)`.
+at `<function=name>`; a string parameter streams as it is written (a file's contents, say), any
+other goes out when its `</parameter>` arrives, and `</function>` closes the object: the
+fragments join to `json.dumps(arguments)`.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ class XmlCallScanner:
         self._pname = ""
         self._value_start = 0
         self._search_from = 0
+        self._is_string = False  # the current value is a string (by the schema): streamed as it comes
+        self._emit_from = 0  # its characters from here on not sent yet
+        self._opened = False  # its key and opening quote were sent
 
     def feed(self, text: str) -> list[Event]:
         self.text += text
@@ -86,20 +89,60 @@ class XmlCallScanner:
                 out.append(ToolStart(self.next_index, value))
             else:
                 self._pname, self._state = value, "value"
-                self._value_start = self._search_from = self._pos
+                self._value_start = self._search_from = self._emit_from = self._pos
+                self._opened = False
+                types = _parameter_type(self._tools, self._name, value)
+                self._is_string = "string" in (types if isinstance(types, list) else [types])
             return True
         # value: up to </parameter> (or a </function> that closes it early)
         end = buf.find(_PARAMETER_END, self._search_from)
         cut = buf.find(_FUNCTION_END, self._search_from)
         if end < 0 and cut < 0:
             self._search_from = max(self._value_start, len(buf) - len(_PARAMETER_END) + 1)
+            if self._is_string:
+                self._stream_string(out)
             return False
         stop = end if end >= 0 and (cut < 0 or end < cut) else cut
-        value = buf[self._value_start : stop]
         self._pos = stop + len(_PARAMETER_END) if stop == end else stop
-        self._send_parameter(value, out)
+        if self._is_string:
+            self._end_string(stop, out)
+        else:
+            self._send_parameter(buf[self._value_start : stop], out)
         self._state = "params"
         return True
+
+    def _value_head(self) -> str:
+        head = "{" if self._params == 0 else ", "
+        self._params += 1
+        return f"{head}{json.dumps(self._pname, ensure_ascii=False)}: "
+
+    def _stream_string(self, out: list[Event]) -> None:
+        """Send a string value's settled characters now (a long one, code say, streams as it is
+        written): all but the last few, which may be the newline and tag that end it."""
+        buf = self.text
+        if self._emit_from == self._value_start:
+            if len(buf) == self._value_start:
+                return
+            if buf[self._value_start] == "\n":  # the one newline after the tag is not the value's
+                self._emit_from += 1
+        limit = len(buf) - len(_PARAMETER_END)
+        if limit <= self._emit_from:
+            return
+        piece = buf[self._emit_from : limit]
+        self._emit_from = limit
+        head = "" if self._opened else self._value_head() + '"'
+        self._opened = True
+        out.append(ToolArgs(self.next_index, head + json.dumps(piece, ensure_ascii=False)[1:-1]))
+
+    def _end_string(self, stop: int, out: list[Event]) -> None:
+        buf = self.text
+        start = self._value_start + (1 if buf.startswith("\n", self._value_start) else 0)
+        start = min(start, stop)
+        end = stop - 1 if stop - 1 >= start and buf[stop - 1] == "\n" else stop
+        piece = buf[max(self._emit_from, start) : end]
+        head = "" if self._opened else self._value_head() + '"'
+        self._opened = True
+        out.append(ToolArgs(self.next_index, head + json.dumps(piece, ensure_ascii=False)[1:-1] + '"'))
 
     def _on_marker(self, marker: str, out: list[Event]) -> None:
         if marker == _FUNCTION:
@@ -114,10 +157,7 @@ class XmlCallScanner:
     def _send_parameter(self, raw: str, out: list[Event]) -> None:
         raw = raw.removeprefix("\n").removesuffix("\n")
         value = convert_parameter(raw, _parameter_type(self._tools, self._name, self._pname))
-        head = "{" if self._params == 0 else ", "
-        self._params += 1
-        key = json.dumps(self._pname, ensure_ascii=False)
-        out.append(ToolArgs(self.next_index, f"{head}{key}: {json.dumps(value, ensure_ascii=False)}"))
+        out.append(ToolArgs(self.next_index, self._value_head() + json.dumps(value, ensure_ascii=False)))
 
 
 def _parameter_type(tools: list[dict[str, Any]], function: str, parameter: str) -> Any:
