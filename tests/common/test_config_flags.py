@@ -74,6 +74,8 @@ def test_debug_hooks_still_work_when_hidden():
         (["--hicache-storage-dir", "123"], "cache", "hicache_storage_dir", "123"),
         (["--model", "2024"], "model", "model", "2024"),
         (["--hicache-ratio", "3"], "cache", "hicache_ratio", 3.0),
+        (["--tool-call-parser", "hermes"], "http", "tool_call_parser", "hermes"),  # vLLM's flag and values
+        (["--reasoning-parser", "deepseek_r1"], "http", "reasoning_parser", "deepseek_r1"),
     ],
 )
 def test_strings_are_strings(argv, section, field, value):
