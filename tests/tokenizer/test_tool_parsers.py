@@ -395,3 +395,27 @@ def test_xml_string_parameters_stream_as_they_are_written():
     (call,) = shaper.message()["tool_calls"]
     assert json.loads(call["function"]["arguments"]) == {"city": 'Line "one"\nline two and more text', "days": 2}
     assert _joined(deltas)["calls"][0]["arguments"] == call["function"]["arguments"]
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        (
+            "hermes",
+            '<tool_call>{"name": "now", "arguments": {"a": tru!}}</tool_call><tool_call>{"name": "now"}</tool_call>',
+        ),
+        (
+            "qwen3_coder",
+            "<tool_call><function=now>\n<oops></tool_call><tool_call><function=now></function></tool_call>",
+        ),
+    ],
+)
+def test_a_broken_call_does_not_shift_the_next_ones(parser: str, text: str):
+    """A call announced and then broken keeps its index: the next call is the next index."""
+    for cut in range(len(text) + 1):
+        shaper = AnswerShaper(reasoning=None, tools=make_tool_parser(parser, TOOLS))
+        deltas = shaper.feed(text[:cut]) + shaper.feed(text[cut:]) + shaper.finish()
+        calls = shaper.message()["tool_calls"]
+        assert [c["function"]["name"] for c in calls] == ["now", "now"]
+        assert calls[1]["function"]["arguments"] == "{}"
+        _same(shaper.message(), _joined(deltas))

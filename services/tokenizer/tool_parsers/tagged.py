@@ -24,7 +24,6 @@ class BlockScanner(Protocol):
 
     text: str
     error_at: int | None
-    next_index: int
 
     def feed(self, text: str) -> list[Event]: ...
 
@@ -99,7 +98,9 @@ class TaggedCalls:
             self._content(text, out)
             return
         events = scanner.feed(text)
-        if not self._committed and any(isinstance(e, ToolStart) for e in events):
+        started = sum(isinstance(e, ToolStart) for e in events)
+        self._calls += started  # calls are numbered across blocks, closed or not
+        if started and not self._committed:
             self._committed = True
             self._block_ws = ""
         out.extend(events)
@@ -117,5 +118,4 @@ class TaggedCalls:
             self._content(end_tag, out)
         elif not self._committed:  # nothing in it was a call: it was text
             self._content(self._block_ws + self._start + scanner.text + end_tag, out)
-        self._calls = scanner.next_index
         self._scanner = None
