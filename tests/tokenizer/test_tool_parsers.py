@@ -5,11 +5,14 @@ are shaped as OpenAI sends them and join to the same message."""
 from __future__ import annotations
 
 import codecs
+import itertools
 import json
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from himamba.services.tokenizer.reasoning_parser import ThinkParser, prompt_opened_thinking
 from himamba.services.tokenizer.tool_parsers import detect_tool_parser, make_tool_parser
@@ -419,3 +422,36 @@ def test_a_broken_call_does_not_shift_the_next_ones(parser: str, text: str):
         assert [c["function"]["name"] for c in calls] == ["now", "now"]
         assert calls[1]["function"]["arguments"] == "{}"
         _same(shaper.message(), _joined(deltas))
+
+
+_PIECES = [
+    "<tool_call>", "</tool_call>", "<TOOLCALL>", "</TOOLCALL>", "<think>", "</think>", "<function=", "<parameter=",
+    "</parameter>", "</function>", '{"name": "now", "arguments": ', '{"name": "get_weather"', '"arguments": {"city": ',
+    '"x"', "{", "}", "[", "]", ",", ":", '"', "\\", " ", "\n", "now>", "city>", "é", "text", "<", "tru",
+]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    parts=st.lists(st.sampled_from(_PIECES), max_size=14),
+    cuts=st.lists(st.integers(0, 400), max_size=5),
+    parser=st.sampled_from(["hermes", "nemotron_json", "qwen3_coder", None]),
+    think=st.sampled_from([None, "qwen3", "deepseek_r1"]),
+)
+def test_any_text_parses_the_same_however_it_is_split(parts: list[str], cuts: list[int], parser, think):
+    """Whatever the model writes (broken tags, half calls), the streamed deltas join to the whole parse."""
+    text = "".join(parts)
+
+    def run(pieces: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        shaper = AnswerShaper(
+            reasoning=ThinkParser(think, False) if think else None,
+            tools=make_tool_parser(parser, TOOLS) if parser else None,
+        )
+        deltas = [d for p in pieces for d in shaper.feed(p)] + shaper.finish()
+        return shaper.message(), deltas
+
+    whole, _ = run([text])
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    msg, deltas = run([text[a:b] for a, b in itertools.pairwise(bounds)])
+    assert _strip_ids(msg) == _strip_ids(whole)
+    _same(msg, _joined(deltas))
