@@ -455,3 +455,17 @@ def test_any_text_parses_the_same_however_it_is_split(parts: list[str], cuts: li
     msg, deltas = run([text[a:b] for a, b in itertools.pairwise(bounds)])
     assert _strip_ids(msg) == _strip_ids(whole)
     _same(msg, _joined(deltas))
+
+
+def test_parser_settings_resolve_against_the_template():
+    from himamba.services.tokenizer.http.chat_parsing import resolve_reasoning_parser, resolve_tool_parser
+
+    qwen3_like = "<tool_call>\n{...}\n</tool_call> {% if enable_thinking %}<think>\n{% endif %}"
+    assert resolve_tool_parser("auto", qwen3_like) == "hermes"
+    assert resolve_tool_parser("auto", "no format here") is None
+    assert resolve_tool_parser("none", qwen3_like) is None
+    assert resolve_tool_parser("nemotron_json", "anything") == "nemotron_json"  # an explicit choice wins
+    assert resolve_reasoning_parser("auto", qwen3_like) == "qwen3"
+    assert resolve_reasoning_parser("auto", "no thinking") is None
+    assert resolve_reasoning_parser("none", qwen3_like) is None
+    assert resolve_reasoning_parser("deepseek_r1", None) == "deepseek_r1"
