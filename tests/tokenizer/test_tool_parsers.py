@@ -452,6 +452,15 @@ def test_any_text_parses_the_same_however_it_is_split(parts: list[str], cuts: li
 
     whole, _ = run([text])
     bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    from himamba.services.tokenizer.tool_parsers import xml_calls
+
+    xml_calls._TRIM_STEP = 0  # drop text behind the scan at every step (restored below)
+    try:
+        msg, deltas = run([text[a:b] for a, b in itertools.pairwise(bounds)])
+    finally:
+        xml_calls._TRIM_STEP = 4096
+    assert _strip_ids(msg) == _strip_ids(whole)
+    _same(msg, _joined(deltas))
     msg, deltas = run([text[a:b] for a, b in itertools.pairwise(bounds)])
     assert _strip_ids(msg) == _strip_ids(whole)
     _same(msg, _joined(deltas))
@@ -469,3 +478,24 @@ def test_parser_settings_resolve_against_the_template():
     assert resolve_reasoning_parser("auto", "no thinking") is None
     assert resolve_reasoning_parser("none", qwen3_like) is None
     assert resolve_reasoning_parser("deepseek_r1", None) == "deepseek_r1"
+
+
+@pytest.mark.parametrize("trim_step", [0, 1, 4096])
+def test_long_xml_values_stream_in_pieces(trim_step: int, monkeypatch: pytest.MonkeyPatch):
+    """Long values (a file's contents, a big array) parse the same in any pieces, with the text
+    behind the scan dropped as it goes (at every step when trim_step is 0)."""
+    from himamba.services.tokenizer.tool_parsers import xml_calls
+
+    monkeypatch.setattr(xml_calls, "_TRIM_STEP", trim_step)
+    content = "".join(f'line {i} <tag> "q" é\n' for i in range(900))
+    text = (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\n" + content + "\n</parameter>\n"
+        "<parameter=hours>\n" + json.dumps(list(range(1500))) + "\n</parameter>\n</function>\n</tool_call>"
+    )
+    expected = {"city": content, "hours": list(range(1500))}
+    for size in (1, 7, 4097, len(text)):
+        shaper = AnswerShaper(reasoning=None, tools=make_tool_parser("qwen3_coder", TOOLS))
+        deltas = [d for i in range(0, len(text), size) for d in shaper.feed(text[i : i + size])] + shaper.finish()
+        (call,) = shaper.message()["tool_calls"]
+        assert json.loads(call["function"]["arguments"]) == expected, size
+        _same(shaper.message(), _joined(deltas))

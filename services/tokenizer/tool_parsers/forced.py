@@ -44,7 +44,7 @@ class RequiredCalls:
         if self._scanner.error_at is not None:
             if not self._sent_error:
                 self._sent_error = True
-                out.append(Text(self._scanner.text[self._scanner.error_at :]))
+                out.append(Text(self._scanner.text_from(self._scanner.error_at)))
             elif text:
                 out.append(Text(text))
         return out

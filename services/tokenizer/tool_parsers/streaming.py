@@ -49,6 +49,7 @@ class AnswerShaper:
         self._content: list[str] = []
         self._thinking: list[str] = []
         self._calls: list[dict[str, Any]] = []
+        self._args: list[list[str]] = []  # each call's arguments fragments (joined by message())
         self._finished = False
 
     @property
@@ -84,6 +85,8 @@ class AnswerShaper:
         if self._reasoning is not None:
             msg["reasoning_content"] = "".join(self._thinking) or None
         if self._calls:
+            for call, fragments in zip(self._calls, self._args, strict=True):
+                call["function"]["arguments"] = "".join(fragments)
             msg["tool_calls"] = self._calls
         return msg
 
@@ -125,13 +128,14 @@ class AnswerShaper:
             elif isinstance(e, ToolStart):
                 call = {"id": tool_call_id(), "type": "function", "function": {"name": e.name, "arguments": ""}}
                 self._calls.append(call)
+                self._args.append([])
                 head = {"index": len(self._calls) - 1, **call, "function": {"name": e.name, "arguments": ""}}
                 deltas.append({"tool_calls": [head]})
             else:
                 index = self._call_position(e.index)
                 if index is None or not e.fragment:
                     continue
-                self._calls[index]["function"]["arguments"] += e.fragment
+                self._args[index].append(e.fragment)
                 prev = last["tool_calls"][0] if last is not None and "tool_calls" in last else None
                 if prev is not None and prev["index"] == index and "id" not in prev:
                     prev["function"]["arguments"] += e.fragment

@@ -20,10 +20,13 @@ from himamba.services.tokenizer.tool_parsers.events import Event, Text, ToolStar
 
 
 class BlockScanner(Protocol):
-    """Reads the inside of one block."""
+    """Reads the inside of one block. `text` is all it was fed (read only while it announced no
+    call); `text_from(pos)` the text from a position on."""
 
     text: str
     error_at: int | None
+
+    def text_from(self, pos: int) -> str: ...
 
     def feed(self, text: str) -> list[Event]: ...
 
@@ -107,7 +110,7 @@ class TaggedCalls:
         if scanner.error_at is not None:
             self._failed = True
             if self._committed:
-                self._content(scanner.text[scanner.error_at :], out)
+                self._content(scanner.text_from(scanner.error_at), out)
             else:
                 self._content(self._block_ws + self._start + scanner.text, out)
 

@@ -26,14 +26,19 @@ _FUNCTION_END = "</function>"
 _PARAMETER = "<parameter="
 _PARAMETER_END = "</parameter>"
 _WS = " \t\r\n"
+_TRIM_STEP = 4096  # characters behind the scan kept at most before they are dropped
 
 
 class XmlCallScanner:
     """Scans the inside of a tool-call block written in the XML style; `tools` (the request's)
-    give the parameters' types."""
+    give the parameters' types.
+
+    Positions are offsets into everything fed; once a call is announced, the text behind the
+    scan is dropped, so a long streamed string value costs each delta only its own length."""
 
     def __init__(self, first_index: int, tools: list[dict[str, Any]] | None):
-        self.text = ""
+        self._buf = ""  # the text fed, from `_offset` on
+        self._offset = 0
         self.error_at: int | None = None
         self.next_index = first_index
         self._tools = tools or []
@@ -47,22 +52,54 @@ class XmlCallScanner:
         self._is_string = False  # the current value is a string (by the schema): streamed as it comes
         self._emit_from = 0  # its characters from here on not sent yet
         self._opened = False  # its key and opening quote were sent
+        self._announced = False  # a call was announced: the text behind the scan may go
+
+    @property
+    def text(self) -> str:
+        """The text fed, while no call was announced (the owner's fallback: it was all text)."""
+        assert self._offset == 0, "text behind an announced call is dropped"
+        return self._buf
+
+    def text_from(self, pos: int) -> str:
+        return self._buf[pos - self._offset :]
 
     def feed(self, text: str) -> list[Event]:
-        self.text += text
+        self._buf += text
         out: list[Event] = []
         while self.error_at is None and self._step(out):
             pass
+        if self._announced and self.error_at is None:
+            self._trim()
         return out
+
+    def _trim(self) -> None:
+        """Drop the text behind every position still in use (in large steps: copies stay rare)."""
+        keep = self._pos
+        if self._state == "value":
+            keep = min(self._search_from, self._emit_from if self._is_string else self._value_start)
+        if keep - self._offset > _TRIM_STEP:
+            self._buf = self._buf[keep - self._offset :]
+            self._offset = keep
+
+    def _at(self, pos: int) -> str:
+        return self._buf[pos - self._offset]
+
+    def _slice(self, start: int, end: int) -> str:
+        return self._buf[start - self._offset : end - self._offset]
+
+    def _find(self, marker: str, start: int) -> int:
+        k = self._buf.find(marker, start - self._offset)
+        return k if k < 0 else k + self._offset
 
     def _step(self, out: list[Event]) -> bool:
         """One move of the state machine; False when it needs more text."""
-        buf, pos = self.text, self._pos
+        size = self._offset + len(self._buf)
+        pos = self._pos
         if self._state in ("function", "params"):
-            while pos < len(buf) and buf[pos] in _WS:
+            while pos < size and self._at(pos) in _WS:
                 pos += 1
             self._pos = pos
-            rest = buf[pos:]
+            rest = self._slice(pos, min(size, pos + len(_FUNCTION_END) + 1))
             if not rest:
                 return False
             markers = (_FUNCTION,) if self._state == "function" else (_PARAMETER, _FUNCTION_END)
@@ -76,16 +113,17 @@ class XmlCallScanner:
             self.error_at = pos
             return False
         if self._state in ("name", "pname"):
-            k = buf.find(">", pos)
+            k = self._find(">", pos)
             if k < 0:
                 return False
-            value = buf[pos:k].strip()
+            value = self._slice(pos, k).strip()
             self._pos = k + 1
             if self._state == "name":
                 if not value:
                     self.error_at = pos
                     return False
                 self._name, self._params, self._state = value, 0, "params"
+                self._announced = True
                 out.append(ToolStart(self.next_index, value))
             else:
                 self._pname, self._state = value, "value"
@@ -95,19 +133,19 @@ class XmlCallScanner:
                 self._is_string = "string" in (types if isinstance(types, list) else [types])
             return True
         # value: up to </parameter> (or a </function> that closes it early)
-        end = buf.find(_PARAMETER_END, self._search_from)
-        cut = buf.find(_FUNCTION_END, self._search_from)
+        end = self._find(_PARAMETER_END, self._search_from)
+        cut = self._find(_FUNCTION_END, self._search_from)
         if end < 0 and cut < 0:
-            self._search_from = max(self._value_start, len(buf) - len(_PARAMETER_END) + 1)
+            self._search_from = max(self._value_start, size - len(_PARAMETER_END) + 1)
             if self._is_string:
-                self._stream_string(out)
+                self._stream_string(size, out)
             return False
         stop = end if end >= 0 and (cut < 0 or end < cut) else cut
         self._pos = stop + len(_PARAMETER_END) if stop == end else stop
         if self._is_string:
             self._end_string(stop, out)
         else:
-            self._send_parameter(buf[self._value_start : stop], out)
+            self._send_parameter(self._slice(self._value_start, stop), out)
         self._state = "params"
         return True
 
@@ -116,30 +154,29 @@ class XmlCallScanner:
         self._params += 1
         return f"{head}{json.dumps(self._pname, ensure_ascii=False)}: "
 
-    def _stream_string(self, out: list[Event]) -> None:
+    def _stream_string(self, size: int, out: list[Event]) -> None:
         """Send a string value's settled characters now (a long one, code say, streams as it is
         written): all but the last few, which may be the newline and tag that end it."""
-        buf = self.text
         if self._emit_from == self._value_start:
-            if len(buf) == self._value_start:
+            if size == self._value_start:
                 return
-            if buf[self._value_start] == "\n":  # the one newline after the tag is not the value's
+            if self._at(self._value_start) == "\n":  # the one newline after the tag is not the value's
                 self._emit_from += 1
-        limit = len(buf) - len(_PARAMETER_END)
+        limit = size - len(_PARAMETER_END)
         if limit <= self._emit_from:
             return
-        piece = buf[self._emit_from : limit]
+        piece = self._slice(self._emit_from, limit)
         self._emit_from = limit
         head = "" if self._opened else self._value_head() + '"'
         self._opened = True
         out.append(ToolArgs(self.next_index, head + json.dumps(piece, ensure_ascii=False)[1:-1]))
 
     def _end_string(self, stop: int, out: list[Event]) -> None:
-        buf = self.text
-        start = self._value_start + (1 if buf.startswith("\n", self._value_start) else 0)
-        start = min(start, stop)
-        end = stop - 1 if stop - 1 >= start and buf[stop - 1] == "\n" else stop
-        piece = buf[max(self._emit_from, start) : end]
+        start = self._emit_from
+        if start == self._value_start and start < stop and self._at(start) == "\n":
+            start += 1  # the newline after the tag, not yet seen by _stream_string
+        end = stop - 1 if stop - 1 >= start and self._at(stop - 1) == "\n" else stop
+        piece = self._slice(start, end)
         head = "" if self._opened else self._value_head() + '"'
         self._opened = True
         out.append(ToolArgs(self.next_index, head + json.dumps(piece, ensure_ascii=False)[1:-1] + '"'))
