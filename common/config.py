@@ -367,7 +367,7 @@ class HttpConfig(_Section):
         doc(
             "How /v1/chat/completions reads tool calls in the model's answer (tool_choice auto): hermes: JSON "
             "in <tool_call> tags (Qwen3-Next, Granite-4.0-H, Falcon-H1); nemotron_json: <TOOLCALL>[...]"
-            "</TOOLCALL> (Nemotron-H); qwen3_coder (qwen3_xml): <tool_call><function=...><parameter=...> "
+            "</TOOLCALL> (Nemotron Nano v2); qwen3_coder (qwen3_xml): <tool_call><function=...><parameter=...> "
             "(Qwen3-Coder, Nemotron 3); auto: the format the chat template shows; none: tool_choice auto is a 400."
         ),
     ] = "auto"

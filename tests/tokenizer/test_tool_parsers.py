@@ -129,7 +129,7 @@ RECORDED: list[Case] = [
         {"content": None, "reasoning": "The user wants the weather.\n", "calls": [("now", {})]},
     ),
     (
-        "qwen3_coder_xml",  # Qwen3-Coder / Qwen3-Next / Nemotron 3: XML parameters, typed by the schema
+        "qwen3_coder_xml",  # Qwen3-Coder / Nemotron 3: XML parameters, typed by the schema
         "qwen3_coder",
         False,
         "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo\n</parameter>\n"

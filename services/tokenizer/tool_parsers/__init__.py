@@ -2,9 +2,9 @@
 
 One file per format (`--tool-call-parser`, vLLM's names):
 - `hermes`: JSON inside `<tool_call>...</tool_call>` (Qwen3-Next, Granite-4.0-H, Falcon-H1);
-- `nemotron_json`: `<TOOLCALL>[{"name": ..., "arguments": {...}}, ...]</TOOLCALL>` (Nemotron-H / Nano v2);
+- `nemotron_json`: `<TOOLCALL>[{"name": ..., "arguments": {...}}, ...]</TOOLCALL>` (Nemotron Nano v2);
 - `qwen3_coder` (alias `qwen3_xml`): `<tool_call><function=name><parameter=p>v</parameter></function></tool_call>`
-  (Qwen3-Coder, Qwen3-Next, Nemotron 3).
+  (Qwen3-Coder, Nemotron 3).
 `auto` picks the format from the chat template's text; streaming.py turns the parser's events
 into OpenAI deltas and the final message.
 """

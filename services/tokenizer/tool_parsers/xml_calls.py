@@ -1,4 +1,4 @@
-"""Tool calls in the XML style of Qwen3-Coder, Qwen3-Next and Nemotron 3:
+"""Tool calls in the XML style of Qwen3-Coder and Nemotron 3:
 
     <function=get_weather>
     <parameter=city>
