@@ -262,6 +262,10 @@ CHAT_REFUSED = [
     ({"metadata": {"k": 1}}, "metadata"),
     ({"store": "yes"}, "store"),
     ({"stream_options": {"include_usage": True, "include_foo": True}}, "stream_options"),
+    ({"no_stop_trim": True}, "no_stop_trim"),  # sglang's fields: only at the value that is what we do
+    ({"skip_special_tokens": False}, "skip_special_tokens"),
+    ({"separate_reasoning": False}, "separate_reasoning"),
+    ({"return_hidden_states": True}, "return_hidden_states"),
     ({"tools": [WEATHER]}, "tool_choice"),  # tool_choice auto on a server without a parser
     ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),  # no tools
@@ -278,6 +282,8 @@ COMPLETION_REFUSED = [
     ({"metadata": {"k": "v"}}, "metadata"),  # a chat field, not a completions one
     ({"tools": [WEATHER]}, "tools"),
     ({"stream_options": {"bogus": 1}}, "stream_options"),
+    ({"no_stop_trim": True}, "no_stop_trim"),
+    ({"separate_reasoning": True}, "separate_reasoning"),  # a chat field
 ]
 # Every field accepted without effect, with a value of its type: the test fails when the list changes.
 CHAT_NO_EFFECT = {
@@ -289,8 +295,21 @@ CHAT_NO_EFFECT = {
     "prompt_cache_key": "conv-7",
     "prompt_cache_retention": "24h",
     "modalities": ["text"],
+    # sglang's, as sglang-router forwards them (at their defaults)
+    "no_stop_trim": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "return_hidden_states": False,
 }
-COMPLETION_NO_EFFECT = {"user": "u-1"}
+COMPLETION_NO_EFFECT = {
+    "user": "u-1",
+    "no_stop_trim": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "return_hidden_states": False,
+}
 
 
 @pytest.mark.parametrize(("extra", "param"), CHAT_REFUSED, ids=lambda v: json.dumps(v)[:60])
