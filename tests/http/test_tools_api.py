@@ -15,7 +15,6 @@ import pytest
 from tokenizers import Tokenizer
 
 from himamba.common.messages import AddRequest
-from himamba.common.types import GrammarSpec, SamplingParams
 from himamba.services.tokenizer.http.unknown_fields import ChatNoEffect, CompletionNoEffect
 from tests.http_request import free_port, http_request
 from tests.tokenizer.fakes import FakeScheduler, running_service, service_config, write_model_dir
@@ -219,22 +218,12 @@ def test_reasoning_is_split_out_whole_and_streamed(tools_harness: ToolHarness):
 
 # ---------------------------------------------------------------- required / named (structured outputs)
 
-_GRAMMAR_REFUSED = True
-try:
-    SamplingParams(grammar=GrammarSpec(kind="json_object")).validate(64)
-    _GRAMMAR_REFUSED = False
-except ValueError:
-    pass
-
 
 def test_required_and_named_send_the_tool_schema_as_grammar(tools_harness: ToolHarness):
     """The grammar reaches the scheduler (the answer itself needs a model: tests/http/test_tools_live.py)."""
     tools_harness.scheduler.replies["need-call"] = '{"city": "Oslo"}'
     named = {"type": "function", "function": {"name": "get_weather"}}
     r = tools_harness.post("/v1/chat/completions", _chat("need-call 1", tools=[WEATHER], tool_choice=named))
-    if _GRAMMAR_REFUSED:  # until structured outputs land (branch grammar), a clear 400
-        assert r.status == 400 and "grammar" in r.json()["error"]["message"]
-        return
     assert r.status == 200, r.body
     (choice,) = r.json()["choices"]
     assert choice["finish_reason"] == "stop"  # OpenAI: a named function finishes with "stop"

@@ -5,9 +5,6 @@
 weights return calls whose arguments validate against the tool's parameters (jsonschema), streamed
 and not. `tool_choice: "auto"` is driven by a grammar (sglang's `regex` field) that makes the model
 write a `<tool_call>` block, which the hermes parser then reads.
-
-These need structured outputs in the worker (branch `grammar`): until it is merged,
-`SamplingParams.validate` refuses every grammar and the module is skipped, saying so.
 """
 
 from __future__ import annotations
@@ -22,22 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from himamba.common.types import GrammarSpec, SamplingParams
 from tests.live_server import LiveServer, start_live_server
-
-
-def _grammar_supported() -> bool:
-    try:
-        SamplingParams(grammar=GrammarSpec(kind="json_object")).validate(64)
-    except ValueError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(
-    not _grammar_supported(),
-    reason="needs structured outputs (branch grammar): SamplingParams refuses grammars until it is merged",
-)
 
 KEY = "sk-tools-live"
 # Bounded so that a random-weight model must finish: enums, no free-length numbers or strings.
