@@ -362,6 +362,23 @@ class HttpConfig(_Section):
             '"": none (no CORS headers are sent).'
         ),
     ] = ""
+    tool_call_parser: Annotated[
+        Literal["auto", "none", "hermes", "nemotron_json", "qwen3_coder", "qwen3_xml"],
+        doc(
+            "How /v1/chat/completions reads tool calls in the model's answer (tool_choice auto): hermes: JSON "
+            "in <tool_call> tags (Qwen3-Next, Granite-4.0-H, Falcon-H1); nemotron_json: <TOOLCALL>[...]"
+            "</TOOLCALL> (Nemotron Nano v2); qwen3_coder (qwen3_xml): <tool_call><function=...><parameter=...> "
+            "(Qwen3-Coder, Nemotron 3); auto: the format the chat template shows; none: tool_choice auto is a 400."
+        ),
+    ] = "auto"
+    reasoning_parser: Annotated[
+        Literal["none", "auto", "qwen3", "deepseek_r1"],
+        doc(
+            "Split <think>...</think> out of chat answers into reasoning_content: qwen3: when the answer "
+            "(or the prompt's end) opens <think>; deepseek_r1: from the first token until </think>; auto: "
+            "qwen3 when the chat template mentions <think>; none: the thinking stays in the content."
+        ),
+    ] = "none"
 
 
 class MetricsConfig(_Section):

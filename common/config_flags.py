@@ -51,15 +51,8 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(("--disable-log-requests",), "accepted", "Requests are not logged unless --access-log."),
     CompatFlag(
         ("--enable-auto-tool-choice",),
-        "refused",
-        "himamba has no tool-call parser yet, so it cannot turn model output into tool_calls.",
-    ),
-    CompatFlag(("--tool-call-parser",), "refused", "himamba has no tool-call parser yet.", takes_value=True),
-    CompatFlag(
-        ("--reasoning-parser",),
-        "refused",
-        "himamba has no reasoning parser yet: <think> text stays in the content.",
-        takes_value=True,
+        "accepted",
+        "tool_choice auto is on whenever there is a tool-call parser (--tool-call-parser, auto by default).",
     ),
     CompatFlag(
         ("--tensor-parallel-size", "--tp-size", "--tp"),

@@ -19,15 +19,28 @@ from __future__ import annotations
 from tokenizers import Tokenizer
 
 _REPLACEMENT = "\ufffd"
+# Markup the output parsers read (tool calls, thinking): some tokenizers mark these tokens special
+# (skipped when decoding), which would hide a tool call from the parser. They stay in the text.
+PARSER_MARKUP = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<TOOLCALL>", "</TOOLCALL>")
+
+
+def markup_token_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids of special tokens that are parser markup (kept in the text; see PARSER_MARKUP)."""
+    return frozenset(
+        tid
+        for tid, token in tokenizer.get_added_tokens_decoder().items()
+        if token.special and token.content in PARSER_MARKUP
+    )
 
 
 class IncrementalDetokenizer:
     """Text deltas of one request's output; the concatenation of every `add` and the final `flush`
     equals `tokenizer.decode(all_ids, skip_special_tokens=...)` for byte-level tokenizers."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, keep: frozenset[int] = frozenset()):
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        self._keep = keep  # special tokens decoded even when skipping special tokens
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -38,7 +51,18 @@ class IncrementalDetokenizer:
         return list(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=self._skip)
+        if not (self._skip and self._keep) or self._keep.isdisjoint(ids):
+            return self._tok.decode(ids, skip_special_tokens=self._skip)
+        # Decode the runs between kept tokens as usual, and the kept tokens as their text.
+        parts: list[str] = []
+        start = 0
+        for i, t in enumerate(ids):
+            if t in self._keep:
+                parts.append(self._tok.decode(ids[start:i], skip_special_tokens=True))
+                parts.append(self._tok.decode([t], skip_special_tokens=False))
+                start = i + 1
+        parts.append(self._tok.decode(ids[start:], skip_special_tokens=True))
+        return "".join(parts)
 
     def add(self, token_ids: list[int]) -> str:
         """Append `token_ids`; return the text that became stable (possibly "")."""

@@ -38,11 +38,12 @@ class RequestOutput:
         prompt_len: int,
         prompt_token_ids: list[int] | None = None,
         index: int = 0,
+        keep_special: frozenset[int] = frozenset(),
     ):
         self.client_rid = client_rid
         self.index = index  # the sample of an n > 1 request: every chunk carries it
         self._stream = stream
-        self._detok = IncrementalDetokenizer(tokenizer)
+        self._detok = IncrementalDetokenizer(tokenizer, keep=keep_special)  # keep: parser markup
         self._stop = StopMatcher(stops)
         self._prompt_len = prompt_len
         self._prompt_token_ids = prompt_token_ids  # sent once, on the first chunk

@@ -62,6 +62,7 @@ from himamba.services.tokenizer.client_socket import (
     ClientSocket,
     CurveServer,
 )
+from himamba.services.tokenizer.detokenize import markup_token_ids
 from himamba.services.tokenizer.generation_defaults import (
     SamplingDefaults,
     load_generation_defaults,
@@ -131,6 +132,7 @@ class TokenizerService(Actor[ToTokenizer]):
         self._http: HttpServer | None = None
         self._draining = False
         self._loaded: LoadedTokenizer | None = None
+        self._markup_ids: frozenset[int] = frozenset()  # special tokens the output parsers read
         self._vocab_size = 0
         self._eos_token_ids: list[int] = []
         self._scheduler: Outbox | None = None
@@ -151,6 +153,7 @@ class TokenizerService(Actor[ToTokenizer]):
         self._loaded = load_tokenizer(m.model, m.tokenizer or None)
         self._vocab_size = self._loaded.vocab_size
         self._eos_token_ids = list(self._loaded.eos_token_ids)
+        self._markup_ids = markup_token_ids(self._loaded.tokenizer)
         tokenizer_json = Path(m.tokenizer or m.model) / "tokenizer.json"
         self._grammars = FrontDoorGrammars(tokenizer_json, lambda: self._vocab_size, lambda: self._eos_token_ids)
         try:
@@ -495,6 +498,7 @@ class TokenizerService(Actor[ToTokenizer]):
                 prompt_len=len(prepared.input_ids),
                 prompt_token_ids=prepared.input_ids if prepared.prompt_was_text else None,
                 index=i,
+                keep_special=self._markup_ids,
             )
             entry = RequestEntry(
                 add.rid,

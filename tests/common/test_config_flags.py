@@ -74,6 +74,8 @@ def test_debug_hooks_still_work_when_hidden():
         (["--hicache-storage-dir", "123"], "cache", "hicache_storage_dir", "123"),
         (["--model", "2024"], "model", "model", "2024"),
         (["--hicache-ratio", "3"], "cache", "hicache_ratio", 3.0),
+        (["--tool-call-parser", "hermes"], "http", "tool_call_parser", "hermes"),  # vLLM's flag and values
+        (["--reasoning-parser", "deepseek_r1"], "http", "reasoning_parser", "deepseek_r1"),
     ],
 )
 def test_strings_are_strings(argv, section, field, value):
@@ -138,6 +140,7 @@ def test_aliases_map_to_the_field_they_name(argv, section, field, value):
         ["--trust-remote-code"],
         ["--tp", "1"],
         ["--kv-cache-dtype", "auto"],
+        ["--enable-auto-tool-choice"],
     ],
 )
 def test_flags_that_ask_for_what_we_do_are_accepted(argv):
@@ -145,9 +148,6 @@ def test_flags_that_ask_for_what_we_do_are_accepted(argv):
 
 
 REFUSED = [
-    (["--enable-auto-tool-choice"], "tool-call parser"),
-    (["--tool-call-parser", "hermes"], "tool-call parser"),
-    (["--reasoning-parser", "deepseek_r1"], "reasoning parser"),
     (["--tensor-parallel-size", "2"], "one device"),
     (["--tp-size", "4"], "one device"),
     (["--quantization", "fp8"], "Quantized"),

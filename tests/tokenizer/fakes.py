@@ -97,8 +97,10 @@ class FakeScheduler:
 
     The decoded prompt picks the behaviour: "hold..." sends two tokens and never finishes,
     "error..." answers with TokenOut.error, "silent..." never answers (a prefill that does not
-    end), anything else streams `reply_text`'s tokens (one per TokenBatch, up to max_tokens) and
-    finishes with "length". The first token carries `cached`; logprobs come when asked for.
+    end), a prompt holding a key of `replies` streams that reply's tokens and finishes with "stop"
+    (an end of sequence), anything else streams `reply_text`'s tokens (one per TokenBatch, up to
+    max_tokens) and finishes with "length". The first token carries `cached`; logprobs come when
+    asked for.
     """
 
     def __init__(self, cfg: Config, tokenizer: Tokenizer, reply_text: str, cached: CachedTokens):
@@ -113,6 +115,7 @@ class FakeScheduler:
         self.decoder = msgspec.msgpack.Decoder(ToScheduler)
         self.encoder = msgspec.msgpack.Encoder()
         self.received: list[Any] = []
+        self.replies: dict[str, str] = {}  # prompt substring -> the model's scripted answer
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -131,13 +134,18 @@ class FakeScheduler:
             return
         hold = prompt.startswith("hold")
         ids = self.reply_ids[:2] if hold else self.reply_ids[: req.max_tokens]
+        finish = "length"
+        scripted = [text for key, text in self.replies.items() if key in prompt]
+        if scripted and not hold:
+            full = self.tokenizer.encode(scripted[0]).ids
+            ids, finish = full[: req.max_tokens], "stop" if len(full) <= req.max_tokens else "length"
         for i, t in enumerate(ids):
             last = i == len(ids) - 1 and not hold
             out = TokenOut(
                 rid=req.rid,
                 token_ids=[t],
                 logprobs=[-0.5 - i] if req.sampling.logprobs else None,
-                finish_reason="length" if last else None,
+                finish_reason=finish if last else None,
                 prompt_tokens=n_prompt,
                 completion_tokens=i + 1,
                 cached=self.cached if i == 0 else None,

@@ -69,3 +69,23 @@ def test_flush_releases_an_incomplete_character_as_replacement(demo_tokenizer: T
     detok = IncrementalDetokenizer(demo_tokenizer)
     assert detok.add([first_byte]) == ""
     assert detok.flush() == "\ufffd"
+
+
+def test_parser_markup_stays_in_the_text_even_when_special(demo_tokenizer: Tokenizer) -> None:
+    """A tokenizer that marks `<tool_call>` / `<think>` special (some do) must not hide a tool call
+    or the thinking from the output parsers; other special tokens (end of text) are still skipped."""
+    from tokenizers import AddedToken
+
+    from himamba.services.tokenizer.detokenize import markup_token_ids
+
+    tok = Tokenizer.from_str(demo_tokenizer.to_str())
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<tool_call>", "</tool_call>", "<think>")])
+    keep = markup_token_ids(tok)
+    assert len(keep) == 3 and tok.token_to_id("<|endoftext|>") not in keep
+    text = '<think>hm</think>ok <tool_call>{"name": "f"}</tool_call>'
+    ids = tok.encode(text, add_special_tokens=False).ids + [tok.token_to_id("<|endoftext|>")]
+    for step in (1, 3):
+        detok = IncrementalDetokenizer(tok, keep=keep)
+        deltas = [detok.add(ids[i : i + step]) for i in range(0, len(ids), step)] + [detok.flush()]
+        assert "".join(deltas) == text
+    assert IncrementalDetokenizer(tok).add(ids) == 'hm</think>ok {"name": "f"}'  # what skipping would give

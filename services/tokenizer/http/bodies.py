@@ -1,9 +1,11 @@
 """The OpenAI request bodies we accept, and their translation into a `GenerateRequest`.
 
-Fields follow OpenAI's API (unknown fields are ignored, as OpenAI-compatible servers do), plus
-the extensions vLLM users rely on: `ignore_eos`, `top_k`, `min_p`, `repetition_penalty`,
-`stop_token_ids`, `return_token_ids`, `prompt_logprobs`, `return_tokens_as_token_ids`, and vLLM's and sglang's structured-output fields. Types are checked here (the error names the field);
-ranges are checked by the same code that checks ZeroMQ requests.
+Fields follow OpenAI's API, plus the extensions vLLM users rely on: `ignore_eos`, `top_k`,
+`min_p`, `repetition_penalty`, `stop_token_ids`, `return_token_ids`, `prompt_logprobs`,
+`return_tokens_as_token_ids`, and vLLM's and sglang's structured-output fields. A field no body
+defines is a 400 naming it, as OpenAI answers, except the OpenAI fields accepted without effect
+(unknown_fields.py). Types are checked here (the error names the field); ranges are checked by
+the same code that checks ZeroMQ requests.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from himamba.common.types import MAX_SAMPLES, SamplingParams
 from himamba.services.tokenizer.http.errors import ApiError
 from himamba.services.tokenizer.http.logprobs_json import LogprobsAsk
 from himamba.services.tokenizer.http.structured_outputs import StructuredOutputFields, grammar_of
+from himamba.services.tokenizer.http.unknown_fields import check_fields
 
 
-class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
+class StreamOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    include_obfuscation: bool = False  # OpenAI pads events against side channels; accepted without effect
 
 
 class _Body(StructuredOutputFields, frozen=True, kw_only=True):
@@ -41,7 +45,6 @@ class _Body(StructuredOutputFields, frozen=True, kw_only=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
     # extensions (vLLM's names)
     top_k: int | None = None
     min_p: float | None = None
@@ -71,6 +74,8 @@ class ChatBody(_Body, frozen=True, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True  # extension (vLLM)
     continue_final_message: bool = False  # extension (vLLM)
     documents: list[dict[str, Any]] | None = None  # extension (vLLM): for RAG templates
@@ -88,7 +93,7 @@ def decode_body(raw: bytes, body_type: type[msgspec.Struct]) -> tuple[Any, dict[
     if not isinstance(obj, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     try:
-        body = msgspec.convert(obj, body_type)
+        body = msgspec.convert(check_fields(obj, body_type), body_type)
     except RecursionError:
         raise ApiError(400, "invalid request: nested too deeply", code="invalid_type") from None
     except msgspec.ValidationError as e:

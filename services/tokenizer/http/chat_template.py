@@ -143,6 +143,7 @@ class ChatTemplate:
                 where = "" if name == "default" else f" ({name})"
                 raise ValueError(f"chat_template{where}: syntax error at line {e.lineno}: {e.message}") from None
         self.special_tokens = dict(special_tokens)
+        self.source = "\n".join(sources.values())  # all of it: read for the formats it teaches (tool calls, <think>)
 
     def _pick(self, tools: list[dict[str, Any]] | None) -> str:
         if len(self._templates) == 1:

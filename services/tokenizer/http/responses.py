@@ -5,12 +5,14 @@ object names and where the text goes (`choices[i].text` vs `message` / `delta`).
 sample is `choices[index]`; stream chunks carry one choice each, under its index (as OpenAI's).
 `usage.prompt_tokens_details` carries `cached_tokens` (OpenAI) and, as our extension,
 `cached_tokens_by_tier` = {"device", "host", "storage"}; with n > 1 the prompt counts once
-(`combined_usage`).
+(`combined_usage`). A chat answer read by parsers (tool calls, reasoning) goes through one
+`AnswerShaper` per choice: its message has `tool_calls` / `reasoning_content`, and one stream
+chunk may become several events (a tool call's head, then its arguments).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from tokenizers import Tokenizer
@@ -25,6 +27,7 @@ from himamba.services.tokenizer.http.logprobs_json import (
     vllm_prompt_logprobs,
 )
 from himamba.services.tokenizer.http.token_text import TokenText
+from himamba.services.tokenizer.tool_parsers.streaming import AnswerShaper
 
 Kind = Literal["completion", "chat"]
 
@@ -61,6 +64,7 @@ class ResponseBuilder:
         tokens_as_ids: bool = False,
         index_base: int = 0,
         echo_text: str | None = None,
+        shaping: Callable[[], AnswerShaper] | None = None,
     ):
         self.kind = kind
         self._id = response_id
@@ -82,6 +86,8 @@ class ResponseBuilder:
         # Per choice: whether its first stream chunk (role, prompt ids, echo) went out.
         self._started = [False] * n
         self._sent_prompt_ids = False
+        # chat answers read by parsers: one shaper per choice
+        self._shapers = [shaping() for _ in range(n)] if shaping is not None and kind == "chat" else None
 
     def _head(self, stream: bool) -> dict[str, Any]:
         if self.kind == "completion":
@@ -137,6 +143,11 @@ class ResponseBuilder:
             if chunk.text or first:
                 delta["content"] = chunk.text
             choice["delta"] = delta
+        elif self._shapers is not None:
+            shaper = self._shapers[index]
+            shaper.feed(chunk.text)
+            shaper.finish()
+            choice["message"] = shaper.message()
         else:
             choice["message"] = {"role": "assistant", "content": chunk.text}
         choice["logprobs"] = self._logprobs_json(index, chunk, first)
@@ -144,12 +155,19 @@ class ResponseBuilder:
             choice["prompt_logprobs"] = vllm_prompt_logprobs(
                 self._names, self._prompt_ids(), self._prompt_entries(), self.ask.prompt
             )
-        choice["finish_reason"] = chunk.finish_reason if chunk.finished else None
+        choice["finish_reason"] = self._finish_reason(index, chunk)
         if self._return_token_ids:
             choice["token_ids"] = list(chunk.token_ids)
             if self.kind == "completion" and first:
                 choice["prompt_token_ids"] = self.prompt_token_ids  # where vLLM puts it for completions
         return choice
+
+    def _finish_reason(self, index: int, chunk: GenerateChunk) -> str | None:
+        if not chunk.finished:
+            return None
+        if self._shapers is not None and chunk.finish_reason is not None:
+            return self._shapers[index].finish_reason(chunk.finish_reason)
+        return chunk.finish_reason
 
     def _index(self, chunk: GenerateChunk) -> int:
         if not (0 <= chunk.index < self.n):
@@ -191,6 +209,50 @@ class ResponseBuilder:
         if include_usage:
             out["usage"] = None  # OpenAI: null on every chunk but the last one, which has no choices
         return out
+
+    def deltas(self, chunk: GenerateChunk, include_usage: bool = False) -> list[dict[str, Any]]:
+        """The stream events of one chunk: `delta`'s one (or none), or, for a chat answer read by
+        parsers, one per delta the parsers settled (the finish reason on the last)."""
+        if self._shapers is None:
+            event = self.delta(chunk, include_usage)
+            return [] if event is None else [event]
+        self._note_prompt(chunk)
+        index = self._index(chunk)
+        shaper = self._shapers[index]
+        parts = shaper.feed(chunk.text)
+        if chunk.finished:
+            parts += shaper.finish()
+        first = not self._started[index]
+        self._started[index] = True
+        carries_ids = bool(chunk.token_ids) and (self._logprobs or self._return_token_ids)
+        if not parts and not (chunk.finished or first or carries_ids):
+            return []
+        if first:
+            parts = [{"role": "assistant", **(parts[0] if parts else {"content": ""})}] + parts[1:]
+        parts = parts or [{}]
+        events = []
+        for i, delta in enumerate(parts):
+            out = self._head(stream=True)
+            choice: dict[str, Any] = {
+                "index": self.index_base + index,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            if i == 0:
+                choice["logprobs"] = self._logprobs_json(index, chunk, first)
+                if self._return_token_ids:
+                    choice["token_ids"] = list(chunk.token_ids)
+                    if not self._sent_prompt_ids:
+                        out["prompt_token_ids"] = self.prompt_token_ids
+                        self._sent_prompt_ids = True
+            if i == len(parts) - 1:
+                choice["finish_reason"] = self._finish_reason(index, chunk)
+            out["choices"] = [choice]
+            if include_usage:
+                out["usage"] = None
+            events.append(out)
+        return events
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         """The last stream chunk when stream_options.include_usage: no choices, just usage (of

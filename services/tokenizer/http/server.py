@@ -42,6 +42,7 @@ from himamba.services.tokenizer.http.bodies import (
     sampling_of,
 )
 from himamba.services.tokenizer.http.batch import BatchedCompletion
+from himamba.services.tokenizer.http.chat_parsing import ChatParsing
 from himamba.services.tokenizer.http.chat_template import ChatTemplate
 from himamba.services.tokenizer.http.connections import (
     ConnectionGuard,
@@ -161,6 +162,8 @@ class HttpServer:
         self.port = cfg.port
         self.guard = ConnectionGuard(connection_cap(cfg.max_connections), cfg.request_timeout_s, log)
         self._malformed = MalformedRequestFilter(log)
+        self._parsing: ChatParsing | None = None  # from the chat template, on first use
+        self._parsing_template: ChatTemplate | None = None
 
     async def start(self) -> str:
         """Bind and serve; returns the base URL."""
@@ -339,6 +342,8 @@ class HttpServer:
         self._check_model(body.model)
         messages = chat_messages(body)
         ask = chat_logprobs_ask(body)
+        parsing = self._chat_parsing(self.door.chat_template)
+        plan = parsing.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
         text = render_chat(
             self.door.chat_template,
             self.door.max_context_len,
@@ -358,15 +363,29 @@ class HttpServer:
         req = GenerateRequest(
             rid=response_id,
             input_ids=input_ids,
-            sampling=sampling_of(body, max_tokens, body.logprobs, self.door.sampling_defaults.values(), ask),
+            sampling=parsing.constrain(
+                sampling_of(body, max_tokens, body.logprobs, self.door.sampling_defaults.values(), ask), plan
+            ),
             stream=body.stream,
         )
         builder = self._builder(
             "chat", response_id, body.return_token_ids, body.logprobs, input_ids, body.n,
-            ask=ask, tokens_as_ids=body.return_tokens_as_token_ids,
+            ask=ask, tokens_as_ids=body.return_tokens_as_token_ids, shaping=parsing.shaping(plan, body.tools, text),
         )  # fmt: skip
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return await self._serve(request, req, builder, include_usage)
+
+    def _chat_parsing(self, template: ChatTemplate | None) -> ChatParsing:
+        # Recomputed when the template is replaced in a running front door.
+        if self._parsing is None or self._parsing_template is not template:
+            self._parsing_template = template
+            self._parsing = ChatParsing(self.cfg, template.source if template is not None else None)
+            self.log.info(
+                "chat answers: tool-call parser %s, reasoning parser %s",
+                self._parsing.tool_parser or "none",
+                self._parsing.reasoning_parser or "none",
+            )
+        return self._parsing
 
     def _builder(
         self,
@@ -453,8 +472,7 @@ class HttpServer:
                 # Headers are gone already: the error travels as an event, as OpenAI does.
                 await response.write(_sse(_reply_error(reply).body()))
                 break
-            event = builder.delta(reply, include_usage)
-            if event is not None:
+            for event in builder.deltas(reply, include_usage):
                 await response.write(_sse(event))
             if reply.finished:
                 usages[reply.index] = reply.usage
