@@ -42,10 +42,9 @@ from himamba.common.machine_info import describe_machine
 from himamba.common.progress import Progress
 from himamba.common.report_files import write_json
 from himamba.services.bench.arrivals import Arrivals
-from himamba.services.bench.latency_summary import RunSummary, add_ratios_vs_none, summarize
+from himamba.services.bench.latency_summary import LATE_ROUND, RunSummary, add_ratios_vs_none, summarize
 from himamba.services.bench.model_info import describe_model
 from himamba.services.bench.multiturn_driver import run_multiturn
-from himamba.services.bench.latency_summary import LATE_ROUND
 from himamba.services.bench.multiturn_report import format_tables, goal_lines, limit_lines, plot
 from himamba.services.bench.servers import ServerProcess, himamba_command, start_server
 from himamba.services.bench.ttft_limit import measure_ttft_limit

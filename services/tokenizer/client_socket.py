@@ -29,7 +29,6 @@ import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
-
 _POLL_MS = 200
 
 

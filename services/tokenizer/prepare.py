@@ -8,7 +8,6 @@ from tokenizers import Tokenizer
 
 from himamba.common.messages import GenerateRequest
 
-
 # A prompt longer than this many characters per context token is refused before it is tokenized
 # (tokenizing runs on the front door's event loop): no tokenizer packs more into a token.
 MAX_CHARS_PER_TOKEN = 32

@@ -30,10 +30,10 @@ from tokenizers import Tokenizer
 
 from himamba.common.config import Config
 from himamba.common.messages import (
+    MAX_RID_CHARS,
     AbortGenerate,
     AbortRequest,
     AddRequest,
-    MAX_RID_CHARS,
     CacheFlushed,
     ClientRequest,
     ErrorReply,

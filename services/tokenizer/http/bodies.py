@@ -123,8 +123,9 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-# The API's default for a sampling field a body leaves out, when generation_config.json has none.
-_API_DEFAULTS: dict[str, float | int] = {
+# The API's default for a sampling field a body leaves out, when generation_config.json has none
+# (OpenAI's, vLLM's and sglang's agree on these).
+API_DEFAULTS: dict[str, float | int] = {
     "temperature": 1.0,
     "top_p": 1.0,
     "top_k": 0,
@@ -143,8 +144,8 @@ def sampling_of(
     """The SamplingParams a body asks for (ranges are checked later, with ZeroMQ requests'); a
     sampling field it leaves out takes `defaults` (generation_config.json's), else the API's."""
     ask = ask if ask is not None else LogprobsAsk(logprobs)
-    chosen = {**_API_DEFAULTS, **(defaults or {})}
-    for name in _API_DEFAULTS:
+    chosen = {**API_DEFAULTS, **(defaults or {})}
+    for name in API_DEFAULTS:
         if (value := getattr(body, name)) is not None:
             chosen[name] = value
     return SamplingParams(

@@ -30,6 +30,7 @@ from himamba.common.metrics import HTTP_RESPONSES
 from himamba.common.metrics_report import ServiceMetrics
 from himamba.common.types import Usage, combined_usage
 from himamba.services.tokenizer.generation_defaults import SamplingDefaults
+from himamba.services.tokenizer.http.batch import BatchedCompletion
 from himamba.services.tokenizer.http.bodies import (
     ChatBody,
     CompletionBody,
@@ -41,7 +42,6 @@ from himamba.services.tokenizer.http.bodies import (
     decode_body,
     sampling_of,
 )
-from himamba.services.tokenizer.http.batch import BatchedCompletion
 from himamba.services.tokenizer.http.chat_parsing import ChatParsing
 from himamba.services.tokenizer.http.chat_template import ChatTemplate
 from himamba.services.tokenizer.http.connections import (
@@ -53,6 +53,8 @@ from himamba.services.tokenizer.http.connections import (
 from himamba.services.tokenizer.http.cors import Cors
 from himamba.services.tokenizer.http.errors import ApiError, param_of_message
 from himamba.services.tokenizer.http.responses import Kind, ResponseBuilder
+from himamba.services.tokenizer.http.sglang_routes import ROUTES as SGLANG_ROUTES
+from himamba.services.tokenizer.http.sglang_routes import SglangRoutes
 from himamba.services.tokenizer.http.tokenize_routes import (
     DetokenizeBody,
     TokenizeBody,
@@ -61,8 +63,6 @@ from himamba.services.tokenizer.http.tokenize_routes import (
     tokenize,
     version,
 )
-from himamba.services.tokenizer.http.sglang_routes import ROUTES as SGLANG_ROUTES
-from himamba.services.tokenizer.http.sglang_routes import SglangRoutes
 from himamba.services.tokenizer.local_clients import ReplyStream
 from himamba.services.tokenizer.peers import Readiness
 

@@ -37,6 +37,7 @@ from himamba.common.config import Config, to_toml_dict
 from himamba.common.messages import CacheFlushed, ErrorReply, GenerateChunk, GenerateRequest, WorkerInfo
 from himamba.common.types import SamplingParams, Usage
 from himamba.services.tokenizer.generation_defaults import SamplingDefaults
+from himamba.services.tokenizer.http.bodies import API_DEFAULTS
 from himamba.services.tokenizer.http.connections import read_body
 from himamba.services.tokenizer.http.errors import ApiError, param_of_message
 from himamba.services.tokenizer.http.structured_outputs import sglang_sampling_grammar
@@ -80,7 +81,7 @@ class SamplingBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """sglang's `sampling_params` (its names and defaults); the ones we cannot honour are refused."""
 
     max_new_tokens: int | None = None  # None: as an OpenAI request that leaves out max_tokens
-    # None (left out): the checkpoint's generation_config.json value, else sglang's default (_API_DEFAULTS).
+    # None (left out): the checkpoint's generation_config.json value, else sglang's default (API_DEFAULTS).
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # -1 (sglang) or 0: no top-k
@@ -124,15 +125,6 @@ class GenerateBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     return_bytes: bool = False
     return_entropy: bool = False
 
-
-# sglang's defaults for the sampling fields a generation_config.json may recommend.
-_API_DEFAULTS: dict[str, float | int] = {
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
-}
 
 # Accepted only at the value that means "what himamba does anyway".
 _ONLY_BODY = {
@@ -210,8 +202,8 @@ def _sampling(body: GenerateBody, defaults: Mapping[str, float | int]) -> Sampli
         )
     if sp.top_k is not None and sp.top_k < -1:
         raise ApiError(400, f"top_k must be -1 (off) or >= 0, got {sp.top_k}", param="top_k")
-    chosen = {**_API_DEFAULTS, **defaults}
-    given = {f: v for f in _API_DEFAULTS if (v := getattr(sp, f)) is not None}
+    chosen = {**API_DEFAULTS, **defaults}
+    given = {f: v for f in API_DEFAULTS if (v := getattr(sp, f)) is not None}
     values: dict[str, Any] = {**chosen, **given}
     stop = [] if sp.stop is None else [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
     return SamplingParams(
