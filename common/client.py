@@ -88,7 +88,6 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from himamba.common.runtime_dir import client_endpoint
 from himamba.common.messages import (
     AbortGenerate,
     ClientReply,
@@ -97,6 +96,7 @@ from himamba.common.messages import (
     GenerateRequest,
     TokenLogprobs,
 )
+from himamba.common.runtime_dir import client_endpoint
 from himamba.common.types import FinishReason, GrammarSpec, SamplingParams, Usage
 
 _log = logging.getLogger("himamba.client")

@@ -6,8 +6,8 @@ import asyncio
 import threading
 import time
 import uuid
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -15,8 +15,8 @@ import zmq
 
 from himamba.common.client import AsyncClient, Client, Completion, HimambaError, make_request
 from himamba.common.config import Config, load
-from himamba.common.runtime_dir import resolve_endpoints
 from himamba.common.messages import AbortGenerate, ClientRequest, ErrorReply, GenerateChunk, GenerateRequest
+from himamba.common.runtime_dir import resolve_endpoints
 from himamba.common.types import CachedTokens, Usage, combined_usage
 
 USAGE = Usage(prompt_tokens=2, completion_tokens=3, cached_tokens=CachedTokens(device=1, host=1, storage=0))

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from himamba.common.types import SamplingParams
-from himamba.services.worker.penalties import PenaltyState
 from himamba.services.worker.logprobs import sampled_logprobs
+from himamba.services.worker.penalties import PenaltyState
 from himamba.services.worker.sampler import sample
 
 V = 64

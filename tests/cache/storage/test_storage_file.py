@@ -14,13 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from himamba.services.cache.storage.base import HEADER_BYTES, StorageHit, ValueKind, find_hit
+from himamba.services.cache.storage.factory import open_backend
 from himamba.services.cache.storage.file import (
     DEFAULT_CAP_FRACTION,
     FileBackend,
     default_cap,
     default_storage_dir,
 )
-from himamba.services.cache.storage.factory import open_backend
 
 FP = bytes(range(32))
 OTHER_FP = bytes(range(100, 132))
