@@ -195,6 +195,9 @@ def _run_case(case: ScaleCase, work: Path, forward_s: float, steps: int) -> Scal
     control = ctx.socket(zmq.PULL)
     control.bind(endpoints["control_ipc"])
     tokenizer = ctx.socket(zmq.PULL)  # the stand-in front door: tokens, readiness, metrics
+    # Nobody reads it: without an unbounded queue the scheduler would block on its token sends
+    # after ~2,000 steps (the two sides' high-water marks), as behind a front door that stopped.
+    tokenizer.setsockopt(zmq.RCVHWM, 0)
     tokenizer.bind(endpoints["tokenizer_ipc"])
     worker = StandInWorker(endpoints, info, forward_s, case.running)
     worker.start()
