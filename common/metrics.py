@@ -224,6 +224,13 @@ SCHEDULER_RETRACTIONS = MetricDef(
     "counter",
     "scheduler",
 )
+SCHEDULER_DECODE_STEPS_AHEAD = MetricDef(
+    "himamba_scheduler_decode_steps_ahead_total",
+    "Decode steps sent the moment the previous step's tokens arrived (built while it ran); the "
+    "other steps wait for the scheduler to handle those tokens first.",
+    "counter",
+    "scheduler",
+)
 
 # ---------------------------------------------------------------- worker
 WORKER_STEP_TIME = MetricDef(
@@ -361,6 +368,7 @@ ALL_METRICS: tuple[MetricDef, ...] = (
     SCHEDULER_MAMBA_TRACK_SLOTS,
     SCHEDULER_LAZY_ALLOC_FAILURES,
     SCHEDULER_RETRACTIONS,
+    SCHEDULER_DECODE_STEPS_AHEAD,
     WORKER_STEP_TIME,
     WORKER_STEP_TOKENS,
     REQUEST_PROMPT_TOKENS,

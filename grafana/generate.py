@@ -36,6 +36,9 @@ class Panel(NamedTuple):
     description: str = ""
 
 
+DECODE = 'mode="decode"'
+
+
 def _sel(defn: MetricDef, suffix: str = "", extra: str = "") -> str:
     name = defn.name + suffix
     assert name in defn.sample_names, name
@@ -115,6 +118,17 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             Panel("Queue time", _quantiles(m.SCHEDULER_QUEUE_TIME), "s"),
             Panel("Worker step time", _quantiles(m.WORKER_STEP_TIME, by="mode"), "s"),
             Panel("Worker tokens per second", (Target(_rate(m.WORKER_STEP_TOKENS, by="mode"), "{{mode}}"),), "tps"),
+            Panel(
+                "Decode steps sent ahead (share)",
+                (
+                    Target(
+                        f"{_rate(m.SCHEDULER_DECODE_STEPS_AHEAD)} / "
+                        f"sum (rate({_sel(m.WORKER_STEP_TIME, '_count', DECODE)}[{RATE}]))",
+                        "sent ahead",
+                    ),
+                ),
+                "percentunit",
+            ),
         ),
     ),
     (

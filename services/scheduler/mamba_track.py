@@ -18,8 +18,10 @@ request finishes, with the KV up to that boundary.
 
 Why `single_buffer` is safe here: the scheduler never launches step N+1 before step N's results
 are in (sglang's overlap scheduler does, and needs the ping-pong so that a tracked state is not
-overwritten while the tree may still take it). A tracked state goes to the tree only at the
-release, when the request is in no batch, so a second track slot protects nothing in himamba.
+overwritten while the tree may still take it); a decode step sent ahead (decode_ahead.py) leaves
+once N's tokens have arrived, and without the requests they end. A tracked state goes to the
+tree only at the release, when the request is in no batch, so a second track slot protects
+nothing in himamba.
 
 State slots a running request holds at steady decode (working + track): no_buffer 1,
 extra_buffer 3, extra_buffer_lazy 2 (3 during a boundary step), single_buffer 2. States the

@@ -20,7 +20,7 @@ def _needs_history(req: Req, start: int) -> bool:
     return req.sampling.penalised or (req.sampling.grammar is not None and start > len(req.prompt_ids))
 
 
-_NO_CAPTURES: list[tuple[int, int]] = []  # shared by every plan without captures (never mutated)
+NO_CAPTURES: list[tuple[int, int]] = []  # shared by every plan without captures (never mutated)
 
 
 def _reset_plan(req: Req, n: int, caps: list[Capture], pages: list[int]) -> SeqPlan:
@@ -28,7 +28,7 @@ def _reset_plan(req: Req, n: int, caps: list[Capture], pages: list[int]) -> SeqP
     start = req.computed_len
     pages.extend(req.pages)
     req.pages_sent = len(req.pages)
-    req.pages_dirty = _CLEAN
+    req.pages_dirty = PAGES_CLEAN
     req.table_reset = False
     return SeqPlan(
         rid=req.rid,
@@ -49,7 +49,7 @@ def _reset_plan(req: Req, n: int, caps: list[Capture], pages: list[int]) -> SeqP
     )
 
 
-_CLEAN = 1 << 62  # `pages_dirty` when no sent page was re-pointed
+PAGES_CLEAN = 1 << 62  # `pages_dirty` when no sent page was re-pointed
 
 
 def build_run_batch(
@@ -81,7 +81,7 @@ def build_run_batch(
         if page_start < num_pages:
             pages.extend(req.pages[page_start:])
             req.pages_sent = num_pages
-            req.pages_dirty = _CLEAN
+            req.pages_dirty = PAGES_CLEAN
         seqs.append(
             SeqPlan(
                 req.rid,
@@ -90,7 +90,7 @@ def build_run_batch(
                 req.slots[0],
                 req.state_init,
                 req.state_src,
-                [(c.pos - start, c.slot) for c in caps] if caps else _NO_CAPTURES,
+                [(c.pos - start, c.slot) for c in caps] if caps else NO_CAPTURES,
                 len(req.output_ids),
                 False,
                 page_start,
