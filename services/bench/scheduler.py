@@ -127,12 +127,16 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: serial scheduler time per decode step at 32/256 running x 2k/32k context (scheduler_scale.py)",
     )  # fmt: skip
     p.add_argument("--forward-ms", type=float, default=5.0, help="--scale: the stand-in worker's time per forward")
-    p.add_argument("--scale-steps", type=int, default=48, help="--scale: decode steps measured per case")
+    p.add_argument("--scale-steps", type=int, default=200, help="--scale: decode steps measured per case and round")
+    p.add_argument(
+        "--scale-rounds", type=int, default=3,
+        help="--scale: rounds over the cases, in alternating order; a case's row is its median round",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.scale:
         from himamba.services.bench.scheduler_scale import run_scale
 
-        return run_scale(Path(args.out), args.forward_ms, args.scale_steps)
+        return run_scale(Path(args.out), args.forward_ms, args.scale_steps, rounds=args.scale_rounds)
     strategies = [t.strip() for t in args.strategies.split(",") if t.strip()]
     # The checkpoint it builds and the servers' logs live only as long as the run.
     with tempfile.TemporaryDirectory(prefix="himamba-bench-") as tmp:

@@ -84,6 +84,8 @@ class ScaleResult(NamedTuple):
     scheduler_cpu_ms_per_step: float
     cache_cpu_ms_per_step: float
     run_batch_bytes_per_step: int
+    # Every round's serial ms per step for this case (the row is the round with the median).
+    serial_ms_rounds: tuple[float, ...] = ()
 
 
 def _log(msg: str) -> None:
@@ -325,16 +327,21 @@ def _wait(cond: Any, procs: dict[str, subprocess.Popen[bytes]], what: str, timeo
         time.sleep(0.05)
 
 
+def _spread(values: tuple[float, ...]) -> str:
+    return f"{min(values):.3f}-{max(values):.3f}" if len(values) > 1 else ""
+
+
 def format_table(rows: list[ScaleResult]) -> list[str]:
     head = (
         f"{'running x context':<22}{'serial ms/step':>15}{'us/request':>12}{'sched CPU ms':>14}"
-        f"{'cache CPU ms':>14}{'RunBatch B':>12}"
+        f"{'cache CPU ms':>14}{'RunBatch B':>12}{'rounds min-max':>18}"
     )
     lines = [head]
     for r in rows:
         lines.append(
             f"{r.case:<22}{r.serial_ms_per_step:>15.3f}{r.serial_us_per_request:>12.2f}"
             f"{r.scheduler_cpu_ms_per_step:>14.3f}{r.cache_cpu_ms_per_step:>14.3f}{r.run_batch_bytes_per_step:>12}"
+            f"{_spread(r.serial_ms_rounds):>18}"
         )
     by = {r.case: r for r in rows}
     for running in (32, 256):
@@ -346,28 +353,41 @@ def format_table(rows: list[ScaleResult]) -> list[str]:
     return lines
 
 
-def run_scale(out_dir: Path, forward_ms: float, steps: int, cases: tuple[ScaleCase, ...] = CASES) -> int:
+def run_scale(
+    out_dir: Path, forward_ms: float, steps: int, cases: tuple[ScaleCase, ...] = CASES, rounds: int = 1
+) -> int:
+    """Each case `rounds` times, the cases in alternating order round by round (forward, then
+    backward), so a drift of the machine's speed does not land on one case; a case's row is its
+    median round."""
     machine = describe_machine(1, "cpu")
     print(machine.line(), flush=True)
     print(
-        f"stand-in worker: no model, {forward_ms} ms per forward; {steps} measured decode steps per case; "
+        f"stand-in worker: no model, {forward_ms} ms per forward; {steps} measured decode steps per case "
+        f"in each of {rounds} round(s); "
         f"page {PAGE}, radix cache on, default strategy",
         flush=True,
     )
     floor = transport_floor_ms()
     print(f"transport floor: a bare ZeroMQ ipc round trip to a process that answers at once takes {floor} ms", flush=True)
-    rows: list[ScaleResult] = []
+    runs: dict[str, list[ScaleResult]] = {case.key: [] for case in cases}
     with tempfile.TemporaryDirectory(prefix="himamba-scale-") as tmp:
-        for case in cases:
-            rows.append(_run_case(case, Path(tmp), forward_ms / 1e3, steps))
-            _log(f"{case.key}: {rows[-1].serial_ms_per_step} ms serial per decode step")
+        for r in range(rounds):
+            for case in cases if r % 2 == 0 else tuple(reversed(cases)):
+                res = _run_case(case, Path(tmp), forward_ms / 1e3, steps)
+                runs[case.key].append(res)
+                _log(f"round {r + 1}/{rounds}, {case.key}: {res.serial_ms_per_step} ms serial per decode step")
+    rows: list[ScaleResult] = []
+    for case in cases:
+        ordered = sorted(runs[case.key], key=lambda x: x.serial_ms_per_step)
+        median = ordered[(len(ordered) - 1) // 2]
+        rows.append(median._replace(serial_ms_rounds=tuple(x.serial_ms_per_step for x in runs[case.key])))
     table = format_table(rows)
     for line in table:
         print(line)
     payload = {
         "benchmark": "scheduler_scale",
         "machine": machine._asdict(),
-        "workload": {"forward_ms": forward_ms, "steps": steps, "page_size": PAGE},
+        "workload": {"forward_ms": forward_ms, "steps": steps, "rounds": rounds, "page_size": PAGE},
         "transport_floor_ms": floor,
         "rows": [r._asdict() for r in rows],
         "serial_ms_per_step": {r.case: r.serial_ms_per_step for r in rows},

@@ -72,7 +72,8 @@ def test_a_short_run_writes_the_machine_the_model_and_what_it_printed(capsys, tm
 def test_the_scale_run_measures_decode_steps_against_the_real_scheduler(capsys, tmp_path):
     # One small case (the bench's own cases are 32/256 running x 2k/32k): the real scheduler and
     # cache controller processes, the stand-in worker, numbers and JSON.
-    assert run_scale(tmp_path, forward_ms=2.0, steps=6, cases=(ScaleCase(4, 256), ScaleCase(4, 256, True))) == 0
+    cases = (ScaleCase(4, 256), ScaleCase(4, 256, True))
+    assert run_scale(tmp_path, forward_ms=2.0, steps=6, cases=cases, rounds=2) == 0
     printed = capsys.readouterr().out.strip().splitlines()
     saved = json.loads((tmp_path / "scheduler_scale.json").read_text())
     assert saved["benchmark"] == "scheduler_scale" and saved["machine"]["cores"] >= 1
@@ -80,4 +81,6 @@ def test_the_scale_run_measures_decode_steps_against_the_real_scheduler(capsys, 
     for row in saved["rows"]:
         assert row["decode_steps"] >= 5 and row["serial_ms_per_step"] > 0 and row["run_batch_bytes_per_step"] > 0
         assert row["cache_cpu_ms_per_step"] >= 0 and row["scheduler_cpu_ms_per_step"] >= 0
+        assert len(row["serial_ms_rounds"]) == 2 and row["serial_ms_per_step"] in row["serial_ms_rounds"]
+    assert saved["workload"]["rounds"] == 2
     assert json.loads(printed[-1]) == {"serial_ms_per_step": saved["serial_ms_per_step"]}
