@@ -142,6 +142,7 @@ class SchedulerService(Actor[ToScheduler]):
         self._dropped: list[str] = []  # requests whose page tables the worker may forget
         self._refused: Admitted | None = None  # the waiting head, when its last admission was refused
         self._next: _Sent | None = None  # the step already sent after the one being handled
+        self._peers_lost = 0  # peer restarts so far (a send that waited may have outlived one)
         # Tokens and finishes not yet sent to the front door (a new token as a plain tuple or a
         # `_NewToken` until `_flush` makes its TokenOut).
         self._outs: list[Any] = []
@@ -187,6 +188,7 @@ class SchedulerService(Actor[ToScheduler]):
             self.log.warning("%s: requeueing %d running requests", why, len(self.running))
         self.trips.fail_all()
         self._next = None
+        self._peers_lost += 1
         for req in reversed(list(self.running)):
             self.running.remove(req)
             req.release_resources()
@@ -328,9 +330,12 @@ class SchedulerService(Actor[ToScheduler]):
             return
         self.cache.pending_transfers, self._dropped = [], []
         self.last_mode = "decode"
+        lost = self._peers_lost
         reply = await self.trips.call(self.worker, sent.msg, batch_id, BatchDone, sent.frames)
         _let_the_send_go()
         self.m[SCHEDULER_DECODE_STEPS_AHEAD].inc()
+        if self._peers_lost != lost:
+            return  # a peer restarted while the send waited: its requests are waiting again
         self._next = _Sent(sent.plan, reply, sent.caps, frozenset(req.rid for req, _ in sent.plan.items))
 
     def _answer_unfittable_head(self, outs: list[TokenOut]) -> None:
@@ -501,9 +506,10 @@ class SchedulerService(Actor[ToScheduler]):
                         self.cache.queue(op)
             if prompt_lps and i in prompt_lps:
                 logprobs.absorb_prompt(req, prompt_lps[i])
-            if req.abort_requested and req.rid not in busy:  # (if busy: finished after that step)
-                self._finish(req, "abort", outs)
-                continue
+            if req.abort_requested:
+                if req.rid not in busy:  # (else it is finished after the step that writes it)
+                    self._finish(req, "abort", outs)
+                continue  # no token after an abort
             output = req.output_ids
             context_len = len(req.prompt_ids) + len(output)
             if computed < context_len:
@@ -512,7 +518,7 @@ class SchedulerService(Actor[ToScheduler]):
                 self._finish(req, "error", outs, error=seq_errors[i])
                 continue
             wants_prompt = req.sampling.prompt_logprobs is not None
-            if wants_prompt and (error := logprobs.prompt_logprobs_error(req)):
+            if wants_prompt and req.rid not in busy and (error := logprobs.prompt_logprobs_error(req)):
                 held, wanted = len(req.prompt_logprobs), len(req.prompt_ids) - 1
                 self.log.error("%s: prompt logprobs: %d of %d positions", req.rid, held, wanted)
                 self._finish(req, "error", outs, error=error)

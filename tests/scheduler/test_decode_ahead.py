@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 from himamba.common.messages import BatchDone, RunBatch
 from himamba.common.types import SamplingParams
 from himamba.services.scheduler import captures, decode_ahead
@@ -43,35 +45,49 @@ def _prebuild(reqs: list[Req], strategy: str = "extra_buffer") -> decode_ahead.A
     return decode_ahead.prebuild(_decode(reqs), reqs, strategy, INTERVAL, PAGE, MAX_CONTEXT)  # type: ignore[arg-type]
 
 
-def _advance(reqs: list[Req], tokens: list[int]) -> None:
-    """What handling step N's results does to a request that goes on."""
-    for req, token in zip(reqs, tokens, strict=True):
-        req.computed_len += 1
-        req.output_ids.append(token)
-
-
 def _continue(ahead: decode_ahead.Ahead, tokens: list[int], leaving: set[str] | None = None, **done: object):
     msg = BatchDone(batch_id=1, next_tokens=tokens, **done)  # type: ignore[arg-type]
     return decode_ahead.continue_with(ahead, msg, 7, leaving or set(), MAX_CONTEXT, [], [])
 
 
-def test_the_prebuilt_step_is_the_step_built_after_the_results() -> None:
+def _captures(reqs: list[Req], strategy: str) -> dict[str, list[captures.Capture]]:
+    found = {r.rid: captures.captures_for(r, "decode", 1, strategy, INTERVAL, PAGE) for r in reqs}  # type: ignore[arg-type]
+    return {rid: c for rid, c in found.items() if c}
+
+
+@pytest.mark.parametrize("strategy", ["extra_buffer", "extra_buffer_lazy", "single_buffer", "no_buffer"])
+def test_the_prebuilt_step_is_the_step_built_after_the_results(strategy: str) -> None:
     """Same sequences, positions, captures and page deltas as the usual build once step N's
-    tokens are handled; its input ids are those tokens."""
-    reqs = [_req(i, prompt=6 + i) for i in range(6)]  # contexts cross page and track boundaries
-    twins = [_req(i, prompt=6 + i) for i in range(6)]
-    ahead = _prebuild(reqs)
+    results are handled (tokens appended, N's captures committed); its input ids are N's tokens.
+    Contexts cross page and track boundaries (in step N and in step N+1), two requests had a sent
+    page re-pointed, one has admission captures due in both steps."""
+    reqs = [_req(i, prompt=4 + i) for i in range(8)]
+    for i, r in enumerate(reqs):
+        if i in (2, 5):
+            r.pages_dirty = 1
+        if strategy != "single_buffer":
+            r.track_slots = [20 + i, 40 + i]
+            r.slots = [r.slots[0], *r.track_slots]
+        if strategy == "extra_buffer_lazy":
+            r.newest_track_slot = r.track_slots[0]
+    reqs[3].pending_captures = [(reqs[3].computed_len + 1, 77), (reqs[3].computed_len + 2, 78)]
+    reqs[3].slots += [77, 78]
+    twins = copy.deepcopy(reqs)
+    in_flight = _captures(twins, strategy)  # step N's
+    ahead = _prebuild(reqs, strategy)
     assert ahead is not None
-    tokens = [60 + i for i in range(6)]
+    tokens = [60 + i for i in range(8)]
     sent = _continue(ahead, tokens)
     assert sent is not None and not sent.left
-    _advance(twins, tokens)
-    caps = {}
-    for r in twins:
-        found = captures.captures_for(r, "decode", 1, "extra_buffer", INTERVAL, PAGE)
-        if found:
-            caps[r.rid] = found
-    assert caps, "the case should include a track boundary"
+    for r, token in zip(twins, tokens, strict=True):  # what handling step N's results does
+        r.computed_len += 1
+        r.output_ids.append(token)
+        r.state_init = "keep"
+        if r.rid in in_flight:
+            captures.commit(r, in_flight[r.rid], strategy)  # type: ignore[arg-type]
+    caps = _captures(twins, strategy)
+    if strategy != "no_buffer":
+        assert caps and in_flight, "the case should have captures in both steps"
     usual, frames = build_run_batch(7, _decode(twins), caps, [], [])
     assert sent.msg.seqs == usual.seqs
     assert list(sent.frames[0].values) == list(frames[0].values) == tokens

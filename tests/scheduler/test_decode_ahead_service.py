@@ -88,6 +88,9 @@ def _config(endpoints: dict[str, str], model_dir: Path) -> Config:
     raw["model"]["max_context_len"] = 512
     raw["scheduler"]["max_running_requests"] = 8
     raw["cache"]["page_size"] = 16
+    # r6 and r7 cross a track boundary (context 48) while decoding: the default (lazy) strategy
+    # asks for its boundary slot, and a step is not built ahead before the slot is there.
+    raw["scheduler"]["mamba_track_interval"] = 48
     raw["cache"]["hicache_storage_backend"] = "none"
     raw["metrics"]["report_interval_s"] = 0.2
     return msgspec.convert(raw, Config)
@@ -193,7 +196,9 @@ def test_every_request_ends_once_with_the_right_reason_and_tokens(run: dict[str,
         assert finishes[rid] == ["stop"] and tokens[rid] == [7] * (n - 1) + [EOS]
     assert finishes["r3"] == ["stop"] and tokens["r3"] == [7] * (STOP_TOKEN_AT - 1) + [9]
     assert finishes["r4"] == ["length"] and len(tokens["r4"]) == MAX_TOKENS
-    assert finishes["r5"] == ["abort"] and len(tokens["r5"]) >= ABORT_AT - 1
+    # No token after the abort is handled: the token of the step it lands in is not sent, or (if
+    # that step's results were in first) it is the last one.
+    assert finishes["r5"] == ["abort"] and len(tokens["r5"]) in (ABORT_AT - 1, ABORT_AT)
     assert len(tokens["r6"]) == len(tokens["r7"]) == LONG
 
 
