@@ -368,7 +368,9 @@ def run_scale(
         flush=True,
     )
     floor = transport_floor_ms()
-    print(f"transport floor: a bare ZeroMQ ipc round trip to a process that answers at once takes {floor} ms", flush=True)
+    print(
+        f"transport floor: a bare ZeroMQ ipc round trip to a process that answers at once takes {floor} ms", flush=True
+    )
     runs: dict[str, list[ScaleResult]] = {case.key: [] for case in cases}
     with tempfile.TemporaryDirectory(prefix="himamba-scale-") as tmp:
         for r in range(rounds):
