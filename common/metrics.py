@@ -225,7 +225,7 @@ SCHEDULER_RETRACTIONS = MetricDef(
     "scheduler",
 )
 SCHEDULER_DECODE_STEPS_AHEAD = MetricDef(
-    "himamba_scheduler_decode_steps_ahead_total",
+    "himamba_scheduler_ahead_decode_steps_total",
     "Decode steps sent the moment the previous step's tokens arrived (built while it ran); the "
     "other steps wait for the scheduler to handle those tokens first.",
     "counter",

@@ -31,7 +31,7 @@ from himamba.common.transport import Outbox
 
 # The unit (or counted thing) each name ends with, before `_total`.
 UNITS = {"bytes", "seconds", "tokens", "requests", "ops", "hits", "slots", "in_flight", "truncations",
-         "failures", "errors", "retractions", "responses", "finished", "events", "fds",
+         "failures", "errors", "retractions", "responses", "finished", "events", "fds", "steps",
          "up", "info"}  # fmt: skip  (`up`: Prometheus' 1/0 reachability gauge; `info`: a labels-only gauge)
 
 

@@ -158,7 +158,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                         finishes[out.rid].append(out.finish_reason)
             elif isinstance(msg, MetricsReport) and msg.service == "scheduler":
                 for line in msg.text.splitlines():
-                    if line.startswith("himamba_scheduler_decode_steps_ahead_total"):
+                    if line.startswith("himamba_scheduler_ahead_decode_steps_total"):
                         ahead = float(line.split()[-1])
         time.sleep(0.3)  # releases reach the controller with the next cache round trip
         to_cache = ctx.socket(zmq.PUSH)
