@@ -7,8 +7,14 @@ controller's allocators. The pools here are data only: no free lists, no ownersh
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from himamba.services.worker.resident_rows import ResidentRows, is_resident_batch
+
+if TYPE_CHECKING:
+    from himamba.services.worker.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -70,15 +76,54 @@ class KVPool:
 
 
 class StatePool:
-    """Recurrent state slots: `tensors[layer][name]` has shape [num_slots, *component.shape]."""
+    """Recurrent state slots: `tensors[layer][name]` has shape [num_slots, *component.shape].
+
+    A model's recurrent layers get their state through `layer(index, batch)`: at steady decode
+    that is the batch's rows kept out of the pool between steps (resident_rows.py); everything
+    else sees the pool through `tensors`, which writes those rows back first."""
 
     def __init__(self, spec: StateSpec, num_slots: int, device: torch.device):
         self.spec = spec
         self.num_slots = num_slots
-        self.tensors: list[dict[str, torch.Tensor]] = [
+        self._tensors: list[dict[str, torch.Tensor]] = [
             {c.name: torch.zeros((num_slots, *c.shape), dtype=c.dtype, device=device) for c in layer}
             for layer in spec.layers
         ]
+        self._resident: ResidentRows | None = None
+
+    @property
+    def tensors(self) -> list[dict[str, torch.Tensor]]:
+        """Every layer's pool tensors, up to date."""
+        self.write_back()
+        return self._tensors
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._tensors)
+
+    def write_back(self) -> None:
+        """Put a decode batch's resident rows back into the pool."""
+        if self._resident is not None:
+            self._resident.write_back()
+            self._resident = None
+
+    def layer(self, index: int, batch: ForwardBatch) -> tuple[ForwardBatch, dict[str, torch.Tensor]]:
+        """What recurrent layer `index` reads and writes for `batch`: the batch as the layer must
+        see it and its state tensors (the pool's, or the batch's resident rows)."""
+        if not is_resident_batch(batch):
+            self.write_back()
+            return batch, self._tensors[index]
+        res = self._resident
+        if res is None or res.batch is not batch:
+            assert batch.state_slots is not None
+            key = batch.state_slots.tolist()
+            if res is not None and res.key == key:
+                res.use(batch)  # the same sequences a step further: the rows stay
+            else:
+                self.write_back()
+                res = self._resident = ResidentRows(self._tensors, batch, key)
+        assert res.view is not None
+        return res.view, res.layer(index)
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's state from slots `src` to slots `dst` (int64 tensors, same length)."""

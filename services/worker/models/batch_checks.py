@@ -65,7 +65,7 @@ def check_batch(batch: ForwardBatch, kv: KVPool, state: StatePool, num_attention
     if num_recurrent:
         if batch.state_slots is None or tuple(batch.state_slots.shape) != (num_seqs,):
             raise ValueError(f"state_slots must be [B={num_seqs}] for a model with recurrent layers")
-        if len(state.tensors) != num_recurrent:
-            raise ValueError(f"state pool must have {num_recurrent} recurrent layers, got {len(state.tensors)}")
+        if state.num_layers != num_recurrent:
+            raise ValueError(f"state pool must have {num_recurrent} recurrent layers, got {state.num_layers}")
     if num_attention and len(kv.k) != num_attention:
         raise ValueError(f"KV pool must have {num_attention} attention layers, got {len(kv.k)}")

@@ -182,7 +182,7 @@ class FalconH1Layer(nn.Module):
     def step(self, h: torch.Tensor, batch: ForwardBatch, kv: KVPool, state: StatePool) -> torch.Tensor:
         i = self.pool_index
         x = self.input_layernorm(h)
-        mamba = self.mamba(x, batch, state.tensors[i]) * self.ssm_out_multiplier
+        mamba = self.mamba(x, *state.layer(i, batch)) * self.ssm_out_multiplier
         attn_in = x * self.attention_in_multiplier
         attn = self.self_attn(attn_in, batch, kv.k[i], kv.v[i]) * self.attention_out_multiplier
         h = h + (mamba + attn)

@@ -101,7 +101,7 @@ class MixerLayer(nn.Module):
         """The mixer's output for normed input `x`, reading and writing this layer's pool entry."""
         recurrent = self.recurrent_mixer()
         if recurrent is not None:
-            return recurrent(x, batch, state.tensors[self.pool_index])
+            return recurrent(x, *state.layer(self.pool_index, batch))
         return self.self_attn(x, batch, kv.k[self.pool_index], kv.v[self.pool_index])
 
     def step(self, h: torch.Tensor, batch: ForwardBatch, kv: KVPool, state: StatePool) -> torch.Tensor:

@@ -109,7 +109,7 @@ class Mamba2Block(nn.Module):
         return self.mixer
 
     def step(self, h: torch.Tensor, batch: ForwardBatch, kv: KVPool, state: StatePool) -> torch.Tensor:
-        return h + self.mixer(self.norm(h.to(self.dtype)), batch, state.tensors[self.pool_index])
+        return h + self.mixer(self.norm(h.to(self.dtype)), *state.layer(self.pool_index, batch))
 
 
 class Mamba2ForCausalLM(HybridDecoderLM):

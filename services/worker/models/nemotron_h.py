@@ -204,7 +204,7 @@ class NemotronHBlock(nn.Module):
     def step(self, h: torch.Tensor, batch: ForwardBatch, kv: KVPool, state: StatePool) -> torch.Tensor:
         x = self.norm(h)
         if self.kind == "mamba":
-            out = self.mixer(x, batch, state.tensors[self.pool_index])
+            out = self.mixer(x, *state.layer(self.pool_index, batch))
         elif self.kind == "attention":
             out = self.mixer(x, batch, kv.k[self.pool_index], kv.v[self.pool_index])
         else:

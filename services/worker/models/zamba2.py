@@ -303,9 +303,9 @@ class Zamba2ForCausalLM(HybridDecoderLM):
             if isinstance(layer, Zamba2HybridLayer):
                 block = self.stack.blocks[layer.block]
                 extra = layer.linear(block(h, embeddings, layer.use, batch, kv.k[layer.use], kv.v[layer.use]))
-                h = layer.mamba_decoder(h, extra, batch, state.tensors[i])
+                h = layer.mamba_decoder(h, extra, *state.layer(i, batch))
             else:
-                h = layer(h, None, batch, state.tensors[i])
+                h = layer(h, None, *state.layer(i, batch))
         return h
 
     def rename_weight(self, hf_name: str) -> WeightTarget:
