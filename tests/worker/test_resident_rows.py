@@ -11,7 +11,9 @@ from himamba.services.worker.layers.pool_rows import consecutive_rows
 from himamba.services.worker.pools import StateComponent, StatePool, StateSpec
 
 SLOTS = 10
-SPEC = StateSpec(layers=((StateComponent("conv", (3,), torch.float32), StateComponent("ssm", (2, 2), torch.float32)),) * 2)
+SPEC = StateSpec(
+    layers=((StateComponent("conv", (3,), torch.float32), StateComponent("ssm", (2, 2), torch.float32)),) * 2
+)
 
 
 def _batch(mode: str, slots: list[int]) -> ForwardBatch:
@@ -59,7 +61,7 @@ def test_steady_decode_keeps_rows_out_of_the_pool_and_writes_them_back_when_read
     pool, ref = StatePool(SPEC, SLOTS, torch.device("cpu")), _ref()
     for k in range(3):
         _step(pool, ref, _batch("decode", [7, 2, 5]), float(k))
-    raw = pool._tensors[0]["ssm"]  # noqa: SLF001 (the pool itself, without the write-back)
+    raw = pool._tensors[0]["ssm"]  # the pool itself, without the write-back
     assert torch.equal(raw[7], torch.zeros(2, 2)), "steady decode should not touch the pool"
     assert _equal(pool, ref)  # `tensors` writes back first
     assert not torch.equal(raw[7], torch.zeros(2, 2))
@@ -94,4 +96,4 @@ def test_a_gpu_or_empty_batch_never_goes_resident() -> None:
     pool = StatePool(SPEC, SLOTS, torch.device("cpu"))
     batch = _batch("decode", [])
     view, tensors = pool.layer(0, batch)
-    assert view is batch and tensors is pool._tensors[0]  # noqa: SLF001
+    assert view is batch and tensors is pool._tensors[0]
