@@ -16,7 +16,6 @@ from torch import nn
 from himamba.kernels import (
     causal_conv1d,
     causal_conv1d_update,
-    gather_state_rows,
     scatter_state_rows,
     selective_scan,
     selective_state_update_mamba1,
@@ -26,6 +25,7 @@ from himamba.services.worker.layers.conv_activation import conv_activation
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.mamba2 import DepthwiseConv
 from himamba.services.worker.layers.norm import RMSNorm
+from himamba.services.worker.layers.pool_rows import rows_to_update
 from himamba.services.worker.layers.recurrent_segments import State, run_prefill
 from himamba.services.worker.pools import StateComponent
 
@@ -104,15 +104,19 @@ class Mamba1Mixer(nn.Module):
         if batch.mode == "decode":
             assert batch.state_slots is not None
             slots = batch.state_slots
-            conv_state = gather_state_rows(state["conv"], slots)
+            # Updated in place: the pool's rows when the slots are consecutive (one sequence, or a
+            # batch's resident rows), else gathered copies written back.
+            conv_state, gathered = rows_to_update(state["conv"], slots)
             xc = self.conv_act.apply(
                 causal_conv1d_update(xs, conv_state, weight, self.conv1d.bias, self.conv_act.fused)
             )
-            scatter_state_rows(state["conv"], slots, conv_state)
+            if gathered:
+                scatter_state_rows(state["conv"], slots, conv_state)
             dt, b, c = self._ssm_inputs(xc)
-            ssm = gather_state_rows(state["ssm"], slots)
+            ssm, gathered = rows_to_update(state["ssm"], slots)
             y = selective_state_update_mamba1(ssm, xc, dt, A, b, c, D=self.D, z=z, dt_bias=dt_bias, dt_softplus=True)
-            scatter_state_rows(state["ssm"], slots, ssm)
+            if gathered:
+                scatter_state_rows(state["ssm"], slots, ssm)
         else:
 
             def step(start: int, end: int, carried: State | None) -> tuple[torch.Tensor, State]:

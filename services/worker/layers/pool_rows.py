@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from himamba.kernels import gather_state_rows
+
 
 def consecutive_rows(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
     """`pool[slots]` as a view (`pool.narrow`) when `slots` are consecutive ascending, else None.
@@ -19,3 +21,12 @@ def consecutive_rows(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | 
     if count > 1 and not torch.equal(slots, torch.arange(first, first + count, dtype=slots.dtype)):
         return None
     return pool.narrow(0, first, count)
+
+
+def rows_to_update(pool: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The rows a decode kernel updates in place: a view of the pool when `slots` allow one, else
+    a gathered copy (second value True: the caller writes it back with `scatter_state_rows`)."""
+    rows = consecutive_rows(pool, slots)
+    if rows is not None:
+        return rows, False
+    return gather_state_rows(pool, slots), True
