@@ -205,6 +205,16 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             _stop(proc)
 
 
+def _router_sees_down(fleet: Fleet, server_port: int) -> bool:
+    """The router's own metrics (`smg_worker_health`) hold the server's URL at 0."""
+    text = fleet.request(fleet.port(29000), "GET", "/metrics", key=None).body.decode()
+    url = f"127.0.0.1:{server_port}"
+    return any(
+        line.startswith("smg_worker_health") and url in line and float(line.rsplit(" ", 1)[1]) == 0
+        for line in text.splitlines()
+    )
+
+
 def _chat(fleet: Fleet, messages: list[dict[str, str]]) -> dict[str, Any]:
     body = {"model": fleet.model_dir.name, "messages": messages, "max_tokens": 8, "temperature": 0}
     return fleet.ok(fleet.port(30000), "POST", "/v1/chat/completions", body)
@@ -427,6 +437,15 @@ def test_a_killed_server_is_routed_around(fleet: Fleet, conversations: Conversat
     fleet.procs[f"killed-server-{victim_index}"] = fleet.procs.pop(f"server-{victim_index}")
     thread.join(timeout=180)
     assert not thread.is_alive(), "the request running on the killed server never ended"
+    # Until its next health check (every second here) the router may still pick the dead server
+    # (the cache-aware policy prefers it: it holds the conversation); wait until it has noticed.
+    _wait(
+        "the router marks the killed server unhealthy",
+        lambda: _router_sees_down(fleet, victim_port),
+        60,
+        fleet,
+        ("router",),
+    )
     # The conversation goes on: the router sends it to the live server.
     survivor = fleet.servers[1 - victim_index]
     for turn in range(3):

@@ -187,11 +187,16 @@ def test_answers_equal_the_no_cache_reference(load_run, reference_tokens):
 
 
 def test_shared_prefixes_were_served_from_the_cache(load_run):
+    # Over every ZeroMQ request (the DEALERs' and AsyncClient's): with pools far smaller than the
+    # load, which requests find their prefix still cached depends on timing, not that some do.
     cached = 0
     for replies in load_run.recorded.values():
         last = replies[-1] if replies else None
         if isinstance(last, GenerateChunk) and last.usage is not None:
             cached += last.usage.cached_tokens.total
+    for out in load_run.completions.values():
+        if isinstance(out, Completion) and out.usage is not None:
+            cached += out.usage.cached_tokens.total
     assert cached > 0
 
 
