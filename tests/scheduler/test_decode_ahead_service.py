@@ -137,7 +137,13 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             max_tokens = {4: MAX_TOKENS, 6: LONG, 7: LONG}.get(i, 100)
             prompt = [10 + (i * 7 + j) % 40 for j in range(PROMPT)]
             push.send_multipart(
-                encode_msg(AddRequest(rid=f"r{i}", input_ids=prompt, sampling=sampling, max_tokens=max_tokens))
+                # EOS named here too (as the front door does): the scheduler may not have the
+                # stand-in's WorkerInfo (its eos ids) yet when the first requests arrive.
+                encode_msg(
+                    AddRequest(
+                        rid=f"r{i}", input_ids=prompt, sampling=sampling, max_tokens=max_tokens, eos_token_ids=[EOS]
+                    )
+                )
             )
         decoder: Decoder[Any] = Decoder(ToTokenizer)  # type: ignore[arg-type]
         tokens: dict[str, list[int]] = defaultdict(list)
