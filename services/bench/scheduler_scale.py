@@ -247,16 +247,21 @@ def _run_case(case: ScaleCase, work: Path, forward_s: float, steps: int) -> Scal
             run_batch_bytes_per_step=int(statistics.median(worker.bytes)),
         )
     finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs)
         worker.close()
         ctx.destroy(linger=0)
+
+
+def stop_processes(procs: dict[str, subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every service started for a case, then wait for each (SIGKILL after 10 s)."""
+    for p in procs.values():
+        p.terminate()
+    for p in procs.values():
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 _ECHO = """

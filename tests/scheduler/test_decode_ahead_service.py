@@ -34,7 +34,7 @@ from himamba.common.messages import (
 from himamba.common.types import SamplingParams
 from himamba.common.wire import Decoder
 from himamba.common.wire import encode as encode_msg
-from himamba.services.bench.scheduler_scale import StandInWorker, _wait_ready
+from himamba.services.bench.scheduler_scale import StandInWorker, _wait_ready, stop_processes
 from himamba.services.bench.servers import himamba_command, unique_endpoints
 
 EOS = 2
@@ -176,14 +176,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         return {"tokens": tokens, "finishes": finishes, "steps": worker.steps, "ahead": ahead,
                 "abort_step": worker.abort_after_step, "stats": stats}  # fmt: skip
     finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs)
         worker.close()
         ctx.destroy(linger=0)
 
