@@ -36,6 +36,7 @@ from typing import Any, TextIO
 
 import torch
 
+from himamba.common.config import Config
 from himamba.common.messages import RunBatch, SeqPlan
 from himamba.common.types import SamplingParams
 from himamba.common.wire import tensor_frame, tensor_ref
@@ -51,6 +52,7 @@ from himamba.services.worker.bench_generate import (
     run_scenarios,
 )
 from himamba.services.worker.bench_generate import summary as generate_summary
+from himamba.services.worker.heap_reuse import HeapReuse, reuse_heap
 from himamba.services.worker.layers.attention import PagedAttention
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.mamba2 import Mamba2Mixer
@@ -60,6 +62,7 @@ from himamba.services.worker.models.base import HybridModel
 from himamba.services.worker.page_tables import PageTables
 from himamba.services.worker.pools import KVPool, StatePool
 from himamba.services.worker.runner import build_forward_batch
+from himamba.services.worker.step_threads import StepThreads
 from himamba.services.worker.sampler import sample
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -79,6 +82,7 @@ class Machine:
     cpu: str
     torch_version: str
     omp_wait_policy: str  # OMP_WAIT_POLICY the run had ("default" when unset)
+    heap_reuse: str  # what reuse_heap did for this process (ours and transformers), as the worker does
     matmul_flops_per_s: float  # in the bench dtype
     copy_bytes_per_s: float  # bytes read + written per second
 
@@ -103,7 +107,7 @@ def _median_time(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def probe_machine(dtype: torch.dtype, threads: int) -> Machine:
+def probe_machine(dtype: torch.dtype, threads: int, heap_reuse: str = "off") -> Machine:
     """FLOP/s of a 1024^3 matmul and bytes/s of a 256 MiB copy, medians of a few runs."""
     n = 1024
     a = torch.randn(n, n).to(dtype)
@@ -122,6 +126,7 @@ def probe_machine(dtype: torch.dtype, threads: int) -> Machine:
         cpu=_cpu_name(),
         torch_version=torch.__version__,
         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"),
+        heap_reuse=heap_reuse,
         matmul_flops_per_s=flops,
         copy_bytes_per_s=2 * src.numel() * src.element_size() / copy_s,
     )
@@ -266,8 +271,17 @@ class OurEngine:
     """Pools sized for the bench, a trivial page allocator, and the worker's step:
     build_forward_batch -> (zero new state slots) -> model.forward -> sample."""
 
-    def __init__(self, model: HybridModel, page_size: int, max_tokens: int, max_seqs: int, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model: HybridModel,
+        page_size: int,
+        max_tokens: int,
+        max_seqs: int,
+        seed: int = 0,
+        threads: StepThreads | None = None,
+    ) -> None:
         self.model = model
+        self.threads = threads  # the worker's per-step thread choice (model.adaptive_threads), or None
         self.page_size = page_size
         self.device = torch.device("cpu")
         num_pages = -(-max_tokens // page_size) + max_seqs
@@ -333,6 +347,10 @@ class OurEngine:
         )
         frames = [tensor_frame(ids_t), tensor_frame(pages_t)]
 
+        step_tokens = len(ids)
+        chosen = self.threads.pick(step_tokens) if self.threads is not None else torch.get_num_threads()
+        if chosen != torch.get_num_threads():
+            torch.set_num_threads(chosen)
         t0 = time.perf_counter()
         with torch.inference_mode():
             batch, states = build_forward_batch(msg, frames, self.tables, self.state.num_slots, self.device)
@@ -344,6 +362,10 @@ class OurEngine:
         t2 = time.perf_counter()
         tokens = sample(logits, [q.sampling for q in states], [0] * len(plans)).tokens
         t3 = time.perf_counter()
+        if self.threads is not None:
+            self.threads.record(step_tokens, chosen, t3 - t0)
+            # transformers runs in this process too, always on the bench's thread count.
+            torch.set_num_threads(self.threads.max_threads)
         self.last_logits = logits
         times.build.append(t1 - t0)
         times.model.append(t2 - t1)
@@ -422,6 +444,8 @@ class Options:
     checkpoint: Path | None
     seed: int
     omp_wait_policy: str  # "passive" | "active" | "inherit"
+    heap_reuse: bool = True  # as the worker's `model.heap_reuse`
+    adaptive_threads: bool = True  # as the worker's `model.adaptive_threads`
     phases: bool = True  # the per-phase table
     peer: str = "none"  # "none" | "vllm"
     peer_python: Path | None = None
@@ -520,6 +544,7 @@ def _median_machine(probes: list[Machine]) -> Machine:
 def run(opts: Options, out: TextIO, err: TextIO) -> dict[str, Any]:
     """Do the whole bench; print the table to `out`, progress to `err`; return the JSON summary."""
     torch.set_num_threads(opts.threads)
+    heap = reuse_heap() if opts.heap_reuse else HeapReuse(False, "off (--no-heap-reuse)")
     dtype = _DTYPES[opts.dtype]
     ckpt = opts.checkpoint or checkpoint_dir(opts.arch, opts.preset, opts.seed)
     err.write(f"checkpoint {ckpt}\n")
@@ -538,6 +563,7 @@ def run(opts: Options, out: TextIO, err: TextIO) -> dict[str, Any]:
         max_tokens=max(max(opts.prompt_lens), decode_tokens, gen_tokens),
         max_seqs=max(max_batch, max(opts.gen_batches)) + 1,
         seed=opts.seed,
+        threads=StepThreads(opts.threads) if opts.adaptive_threads else None,
     )
     hf = HFEngine(ckpt, dtype) if opts.reference else None
     gen = torch.Generator().manual_seed(opts.seed)
@@ -548,7 +574,7 @@ def run(opts: Options, out: TextIO, err: TextIO) -> dict[str, Any]:
     scenarios = _scenarios(opts)
     gen_units = len(scenarios) * (opts.gen_runs + 1) + (1 if opts.peer != "none" else 0)
     progress = Progress(prefill_units + decode_units + gen_units + 3, err)
-    probes = [probe_machine(dtype, opts.threads)]
+    probes = [probe_machine(dtype, opts.threads, heap.reason)]
     progress.update("machine probes")
     measured: list[_Measured] = []
 
@@ -568,7 +594,7 @@ def run(opts: Options, out: TextIO, err: TextIO) -> dict[str, Any]:
                         row.hf.append(time.perf_counter() - t0)
             progress.update(f"prefill L={length} round {r}/{opts.repeats}")
         measured.append(row)
-    probes.append(probe_machine(dtype, opts.threads))
+    probes.append(probe_machine(dtype, opts.threads, heap.reason))
     progress.update("machine probes")
 
     for batch in opts.batches if opts.phases else []:
@@ -596,7 +622,7 @@ def run(opts: Options, out: TextIO, err: TextIO) -> dict[str, Any]:
         ours.release(seqs)
         if hf is not None:
             hf.cache = None
-    probes.append(probe_machine(dtype, opts.threads))
+    probes.append(probe_machine(dtype, opts.threads, heap.reason))
     progress.update("machine probes")
     generated = _run_generate(opts, ckpt, ours, hf, scenarios, vocab, progress, err) if scenarios else None
     progress.close()
@@ -757,7 +783,8 @@ def _print_table(
     gbs = machine.copy_bytes_per_s / 1e9
     out.write(
         f"machine: {machine.cpu}; {machine.cores} cores, torch threads {machine.torch_threads}, "
-        f"device {machine.device}, torch {machine.torch_version}, OMP_WAIT_POLICY {machine.omp_wait_policy}\n"
+        f"device {machine.device}, torch {machine.torch_version}, OMP_WAIT_POLICY {machine.omp_wait_policy}, "
+        f"heap reuse: {machine.heap_reuse}\n"
         f"limits (median of 3 probes): matmul {gflops:.1f} GFLOP/s ({opts.dtype}), "
         f"copy {gbs:.1f} GB/s (read+write)\n"
         f"model: {opts.arch} {opts.preset}, {cost.params / 1e6:.1f}M params, hidden {cfg.get('hidden_size')}, "
@@ -853,6 +880,20 @@ def parse_args(argv: list[str]) -> Options:
         "machine shared with other work, spinning threads of a parallel region wait for a descheduled "
         "peer at every op: 10-30x slower decode for both engines (default: passive)",
     )
+    p.add_argument(
+        "--heap-reuse",
+        action=argparse.BooleanOptionalAction,
+        default=Config().model.heap_reuse,
+        help="as the worker's `model.heap_reuse` (the server's default); the bench process runs ours and "
+        "transformers, so both get it",
+    )
+    p.add_argument(
+        "--adaptive-threads",
+        action=argparse.BooleanOptionalAction,
+        default=Config().model.adaptive_threads,
+        help="ours picks 1 or --threads threads per small step by measured step time, as the worker's "
+        "`model.adaptive_threads` does (the server's default); the other engines always run on --threads",
+    )
     a = p.parse_args(argv)
     for name in ("threads", "context", "repeats", "decode_steps", "page_size", "gen_prompt", "gen_tokens", "gen_runs"):
         if getattr(a, name) < 1:
@@ -876,6 +917,8 @@ def parse_args(argv: list[str]) -> Options:
         checkpoint=a.checkpoint,
         seed=a.seed,
         omp_wait_policy=a.omp_wait_policy,
+        heap_reuse=a.heap_reuse,
+        adaptive_threads=a.adaptive_threads,
         phases=not a.no_phases,
         peer=a.peer,
         peer_python=a.peer_python,

@@ -35,6 +35,7 @@ from himamba.common.transport import Outbox
 from himamba.common.wire import WireError, tensor_ref
 from himamba.services.actor import Actor
 from himamba.services.worker.grammar_masks import GrammarCompiler
+from himamba.services.worker.heap_reuse import reuse_heap
 from himamba.services.worker.host_transfer import CopyFaults, HostTransfer, host_layout
 from himamba.services.worker.loader import load_model
 from himamba.services.worker.logprobs import plan_logit_rows, prompt_logprobs, sampled_logprobs
@@ -43,6 +44,7 @@ from himamba.services.worker.page_tables import PageTables
 from himamba.services.worker.pools import KVPool, StatePool
 from himamba.services.worker.runner import build_forward_batch
 from himamba.services.worker.sampler import sample
+from himamba.services.worker.step_threads import StepThreads
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,6 +82,11 @@ class WorkerService(Actor[ToWorker]):
         cfg = self.cfg
         if cfg.model.torch_threads:
             torch.set_num_threads(cfg.model.torch_threads)
+        if cfg.model.heap_reuse:
+            heap = reuse_heap()
+            self.log.info("heap reuse: %s", heap.reason)
+        use_adaptive = cfg.model.adaptive_threads and self.device.type == "cpu"
+        self.threads = StepThreads(torch.get_num_threads()) if use_adaptive else None
         model_dir = Path(cfg.model.model)
         t0 = time.perf_counter()
         self.model = load_model(model_dir, device=self.device, dtype=_DTYPES[cfg.model.dtype])
@@ -197,8 +204,21 @@ class WorkerService(Actor[ToWorker]):
         if hasattr(self, "grammars"):
             self.grammars.close()
 
-    @torch.inference_mode()
     def forward(self, msg: RunBatch, frames: list[Any]) -> tuple[BatchDone, list[torch.Tensor]]:
+        """One step on the thread count `StepThreads` picks for its size (on the CPU)."""
+        if self.threads is None:
+            return self._forward(msg, frames)
+        tokens = sum(s.new_len for s in msg.seqs)
+        threads = self.threads.pick(tokens)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        t0 = time.perf_counter()
+        out = self._forward(msg, frames)
+        self.threads.record(tokens, threads, time.perf_counter() - t0)
+        return out
+
+    @torch.inference_mode()
+    def _forward(self, msg: RunBatch, frames: list[Any]) -> tuple[BatchDone, list[torch.Tensor]]:
         batch, states = build_forward_batch(msg, frames, self.tables, self.state.num_slots, self.device)
         self.host.unwritten.check_batch(msg.seqs, states, self.page_size)  # before anything is written
         zero = [s.state_slot for s in msg.seqs if s.state_init == "zero"]

@@ -1,0 +1,76 @@
+"""How many torch threads each worker step runs on, learned per step size (CPU only).
+
+The server's OpenMP threads sleep between parallel regions (OMP_WAIT_POLICY=PASSIVE, so that they
+never spin against the other services), which makes every parallel op wake them again. A
+small-batch decode step is hundreds of ops with little work in each: on a 2-core AMD EPYC
+(medium NemotronH, float32) one thread ran a batch-1 decode step in 6.9 ms against 7.8 ms on two,
+batch 8 in 9.7 against 11.7 ms, batch 16 about equal, while batch 32 was faster on two (21.3
+against 23.6 ms; medians of 5 alternating rounds). Where the crossover lies depends on the
+machine, the model and the load, so it is measured: steps of up to `LEARN_MAX_TOKENS` tokens are
+grouped by token count (powers of two); each group keeps a running mean of its step time under
+each candidate (1 thread and the configured count), runs the faster and tries the other again
+every `explore_every` steps. Larger steps (bigger decode batches, prefill chunks) always get the
+configured count: near the crossover the noise of a shared machine would pick wrongly as often
+as rightly, and above it one thread only loses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LEARN_MAX_TOKENS = 16
+_ALPHA = 0.25  # weight of a new sample in the running mean
+_FIRST_SAMPLES = 3  # samples of each candidate before the group picks (the first steps are cold)
+
+
+@dataclass
+class _Group:
+    mean: dict[int, float] = field(default_factory=dict)  # threads -> running mean seconds per step
+    samples: dict[int, int] = field(default_factory=dict)
+    steps: int = 0
+
+
+class StepThreads:
+    """Picks the thread count of a step from its token count; `record` feeds back the step's time."""
+
+    def __init__(self, max_threads: int, explore_every: int = 64) -> None:
+        if max_threads < 1 or explore_every < 2:
+            raise ValueError(f"max_threads must be >= 1 and explore_every >= 2, got {max_threads}, {explore_every}")
+        self.max_threads = max_threads
+        self.candidates = (max_threads, 1) if max_threads > 1 else (1,)
+        self.explore_every = explore_every
+        self._groups: dict[int, _Group] = {}
+
+    def pick(self, tokens: int) -> int:
+        """Threads for a step of `tokens` new tokens."""
+        if len(self.candidates) == 1 or tokens > LEARN_MAX_TOKENS:
+            return self.max_threads
+        group = self._groups.setdefault(tokens.bit_length(), _Group())
+        for threads in self.candidates:
+            if group.samples.get(threads, 0) < _FIRST_SAMPLES:
+                return threads
+        group.steps += 1
+        best = min(self.candidates, key=lambda t: group.mean[t])
+        if group.steps % self.explore_every == 0:
+            return next(t for t in self.candidates if t != best)
+        return best
+
+    def record(self, tokens: int, threads: int, seconds: float) -> None:
+        """The step of `tokens` tokens ran on `threads` threads in `seconds`."""
+        if len(self.candidates) == 1 or tokens > LEARN_MAX_TOKENS or threads not in self.candidates:
+            return
+        group = self._groups.setdefault(tokens.bit_length(), _Group())
+        n = group.samples.get(threads, 0)
+        # The first sample of each candidate is skipped (caches and allocator are cold).
+        if n >= 1:
+            old = group.mean.get(threads)
+            group.mean[threads] = seconds if old is None else old + _ALPHA * (seconds - old)
+        group.samples[threads] = n + 1
+
+    def choices(self) -> dict[int, int]:
+        """For each learned group (its largest token count), the thread count it picks now."""
+        out = {}
+        for key, group in sorted(self._groups.items()):
+            if all(t in group.mean for t in self.candidates):
+                out[(1 << key) - 1] = min(self.candidates, key=lambda t: group.mean[t])
+        return out
