@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from himamba.services.worker.layers.cpu_packing import can_pack
 from himamba.services.worker.layers.embedding import LMHead, VocabEmbedding
 from himamba.services.worker.layers.linear import Linear
+from himamba.services.worker.layers.projected_attention import ProjectedAttention
 from himamba.services.worker.loader import load_model
 from tests.worker.harness import Harness
 from tests.worker.hf_reference import save_tiny
@@ -58,7 +59,29 @@ def test_the_loader_packs_by_default_and_gives_the_same_tokens(tmp_path: Path) -
     path = save_tiny("Bamba", tmp_path / "bamba")
     packed, plain = load_model(path), load_model(path, pack_cpu_weights=False)
     linears = [m for m in packed.modules() if isinstance(m, Linear)]
-    assert linears and all(m._packed is not None for m in linears) and packed.lm_head._packed is not None
+    # Each projection is packed on its own or, for q/k/v, inside its attention's one packed product.
+    assert linears and all((m._packed is not None) != m._fused for m in linears) and packed.lm_head._packed is not None
+    attentions = [m for m in packed.modules() if isinstance(m, ProjectedAttention)]
+    assert attentions and all(m._qkv_packed is not None for m in attentions)
+    assert sum(m._fused for m in linears) == 3 * len(attentions)
     assert all(m._packed is None for m in plain.modules() if isinstance(m, Linear))
     prompts = [[5, 9, 13, 2, 7], [1] * 40]
     assert Harness(packed).generate_greedy(prompts, 12) == Harness(plain).generate_greedy(prompts, 12)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("tokens", [1, 9, 70])
+def test_packed_qkv_is_the_three_projections(bias: bool, tokens: int) -> None:
+    attn = ProjectedAttention(48, 48, 4, 2, 12, bias, CPU, torch.float32, q_per_head=2)
+    gen = torch.Generator().manual_seed(tokens)
+    for p in attn.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen))
+    x = torch.randn(tokens, 48, generator=gen)
+    plain = attn.project_qkv(x)
+    assert attn.pack_for_cpu()
+    assert not attn.q_proj.pack_for_cpu() and attn.q_proj._packed is None  # no second packed copy
+    fused = attn.project_qkv(x)
+    assert [t.shape for t in fused] == [(tokens, 96), (tokens, 24), (tokens, 24)]
+    for got, want in zip(fused, plain, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attn.k_proj(x), plain[1])  # the module itself still works, unpacked

@@ -38,7 +38,7 @@ class PagedAttention(ProjectedAttention):
         self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
         """x [T, hidden] (all sequences' new tokens) -> [T, hidden]; writes K/V into the caches."""
-        q, k, v = self.split_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k, v = self.split_heads(*self.project_qkv(x))
         if self.rotary is not None:
             q, k = self.rotary(q, k, batch.positions)
         return self.o_proj(self.attend(q, k, v, batch, k_cache, v_cache, self.scale))

@@ -29,11 +29,18 @@ class Linear(nn.Module):
             nn.Parameter(torch.empty(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
         )
         self._packed: torch.Tensor | None = None  # oneDNN copy of weight (cpu_packing); not a parameter
+        self._fused = False  # a parent packs this weight with its siblings' (fused_into_parent)
 
     def pack_for_cpu(self) -> bool:
         """Use a oneDNN pre-packed copy of the weight from now on, where it applies; True if packed."""
-        self._packed = pack(self.weight) if can_pack(self.weight) else None
+        self._packed = pack(self.weight) if can_pack(self.weight) and not self._fused else None
         return self._packed is not None
+
+    def fused_into_parent(self) -> None:
+        """The parent module runs this projection inside one packed product with its siblings: keep no
+        packed copy of its own (calling the module still works, on the plain weight)."""
+        self._fused = True
+        self._packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from himamba.services.worker.forward_batch import ForwardBatch
+from himamba.services.worker.layers.cpu_packing import can_pack, pack, packed_linear
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.paged_attend import paged_attend
 
@@ -43,6 +44,31 @@ class ProjectedAttention(nn.Module):
         self.k_proj = Linear(in_features, num_kv_heads * head_dim, bias, device, dtype)
         self.v_proj = Linear(in_features, num_kv_heads * head_dim, bias, device, dtype)
         self.add_module(out_name, Linear(num_heads * head_dim, hidden_size, bias, device, dtype))
+        self._qkv_packed: torch.Tensor | None = None  # [q | k | v] packed as one weight (pack_for_cpu)
+        self._qkv_bias: Tensor | None = None
+        self._qkv_sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
+
+    def pack_for_cpu(self) -> bool:
+        """Pack q/k/v as one oneDNN weight, so that a step runs one product instead of three (a decode
+        step's k/v products are too small to use the cores: 2.3x faster at batch 1, 1.6x at 32, equal
+        at prefill; 2-core AMD EPYC, medium NemotronH sizes). The three stay modules under HF's names,
+        with their plain weights. Runs before the children's own packing (modules() is pre-order)."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if not all(can_pack(p.weight) and p.weight.dtype == self.q_proj.weight.dtype for p in projections):
+            return False
+        self._qkv_packed = pack(torch.cat([p.weight for p in projections]))
+        biases = [p.bias for p in projections]
+        self._qkv_bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
+        for p in projections:
+            p.fused_into_parent()
+        return True
+
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q_proj(x), k_proj(x), v_proj(x) (column views of one product when packed)."""
+        if self._qkv_packed is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = packed_linear(x, self._qkv_packed, self._qkv_bias).split(self._qkv_sizes, dim=-1)
+        return q, k, v
 
     def split_heads(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Projected q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq, D], [T, Hkv, D], [T, Hkv, D]."""

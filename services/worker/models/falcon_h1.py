@@ -126,7 +126,7 @@ class FalconH1Attention(ProjectedAttention):
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        q, k, v = self.split_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k, v = self.split_heads(*self.project_qkv(x))
         q, k = self.rotary(q, k * self.key_multiplier, batch.positions)
         return self.o_proj(self.attend(q, k, v, batch, k_cache, v_cache, self.head_dim**-0.5))
 

@@ -143,9 +143,10 @@ class Qwen3NextAttention(ProjectedAttention):
         self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, gate = self.q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q_gate, k, v = self.project_qkv(x)
+        q, gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(self.q_norm(q), self.k_norm(k), batch.positions)
         out = self.attend(q, k, v, batch, k_cache, v_cache, self.head_dim**-0.5)
         return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)))

@@ -152,7 +152,7 @@ class Zamba2Attention(ProjectedAttention):
     def forward(
         self, x: torch.Tensor, use: int, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.project_qkv(x)
         if self.adapted:
             key = str(use)
             q = q + self.linear_q_adapter_list[key](x)
