@@ -14,8 +14,10 @@ treated as gone: its requests are aborted and their memory returned. Messages la
 `max_message_bytes` make ZeroMQ disconnect the sender (ZMQ_MAXMSGSIZE), before any decoding.
 
 Descriptors are reused by the kernel. Monitor events are drained before each client message is
-returned: libzmq emits a connection's DISCONNECTED before closing its descriptor, so any event
-for the old owner of a descriptor is seen before a message from a new owner of it.
+returned (libzmq emits a connection's DISCONNECTED before closing its descriptor), but a message
+from a new owner of a descriptor has been seen before the old owner's DISCONNECTED: a client that
+closed its socket then aborted the request of the next client to connect (`FdOwners` accounts for
+that event instead).
 """
 
 from __future__ import annotations
@@ -60,6 +62,46 @@ def _start_curve(ctx: zmq.asyncio.Context, router: zmq.asyncio.Socket, curve: Cu
     return auth
 
 
+class FdOwners:
+    """Which client each connection descriptor belongs to, and who left when one disconnects.
+
+    A message on descriptor `fd` from another identity than its recorded owner means the old
+    owner's connection closed and the kernel gave its descriptor to a new one: the old owner is
+    gone, and one DISCONNECTED event for `fd` (the old connection's, possibly still on its way) is
+    owed and must not be charged to the new owner. The same holds for an owner forgotten because
+    a send found it unreachable.
+    """
+
+    def __init__(self) -> None:
+        self._owner: dict[int, bytes] = {}
+        self._stale: collections.Counter[int] = collections.Counter()  # DISCONNECTEDs owed per fd
+
+    def message(self, fd: int, identity: bytes) -> bytes | None:
+        """A message from `identity` arrived on `fd`; returns the previous owner if it is gone."""
+        previous = self._owner.get(fd)
+        self._owner[fd] = identity
+        if previous is None or previous == identity:
+            return None
+        self._stale[fd] += 1
+        return previous
+
+    def disconnected(self, fd: int) -> bytes | None:
+        """`fd`'s connection closed; returns the client that left (None: unknown or already counted)."""
+        if self._stale[fd]:
+            self._stale[fd] -= 1
+            if not self._stale[fd]:
+                del self._stale[fd]
+            return None
+        return self._owner.pop(fd, None)
+
+    def forget(self, identity: bytes) -> None:
+        """`identity` was found unreachable: its descriptors' DISCONNECTEDs are owed."""
+        for fd, owner in list(self._owner.items()):
+            if owner == identity:
+                del self._owner[fd]
+                self._stale[fd] += 1
+
+
 class ClientGone(NamedTuple):
     """A client's connection closed: its requests should be aborted."""
 
@@ -92,7 +134,7 @@ class ClientSocket:
         self._poller = zmq.asyncio.Poller()
         self._poller.register(self.router, zmq.POLLIN)
         self._poller.register(self.monitor, zmq.POLLIN)
-        self._fd_owner: dict[int, bytes] = {}
+        self._owners = FdOwners()
         self._gone: collections.deque[bytes] = collections.deque()
 
     async def recv(self) -> ClientMessage | ClientGone:
@@ -111,7 +153,9 @@ class ClientSocket:
             identity = frames[0].bytes
             fd = _source_fd(frames[0])
             if fd is not None:
-                self._fd_owner[fd] = identity
+                left = self._owners.message(fd, identity)
+                if left is not None:
+                    self._gone.append(left)
             return ClientMessage(identity, list(frames[1:]))
 
     async def send(self, identity: bytes, payload: bytes) -> bool:
@@ -125,14 +169,9 @@ class ClientSocket:
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
-            self._forget(identity)
+            self._owners.forget(identity)
             return False
         return True
-
-    def _forget(self, identity: bytes) -> None:
-        for fd, owner in list(self._fd_owner.items()):
-            if owner == identity:
-                del self._fd_owner[fd]
 
     async def _drain_monitor(self) -> None:
         while True:
@@ -142,7 +181,7 @@ class ClientSocket:
                 return
             event = parse_monitor_message(raw)
             if event["event"] == zmq.EVENT_DISCONNECTED:
-                owner = self._fd_owner.pop(int(event["value"]), None)
+                owner = self._owners.disconnected(int(event["value"]))
                 if owner is not None:
                     self._gone.append(owner)
 
