@@ -159,9 +159,7 @@ def ssd_scan(
     Cg = Cf.view(batch, chunks, q, groups, state_size).permute(0, 3, 1, 2, 4)  # [b, g, c, l, n]
 
     decay_t = _decay_to_later(dA)  # [b, h, c, s, l]
-    log_from_start = dA.cumsum(-1)  # [b, h, c, l]: sum_{k<=l} dA_k
-    chunk_log_decay = log_from_start[..., -1].clone()  # [b, h, c]: each whole chunk's log decay
-    decay_from_start = _exp(log_from_start)  # [b, h, c, l]: exp(sum_{k<=l} dA_k)
+    decay_from_start = _exp(dA.cumsum(-1))  # [b, h, c, l]: exp(sum_{k<=l} dA_k)
     decay_to_end = decay_t[..., -1].clone()  # [b, h, c, s]: exp(sum_{k>s} dA_k)
 
     # 1. Within-chunk outputs: the recurrence unrolled as a causal, decay-weighted C·B product.
@@ -181,23 +179,21 @@ def ssd_scan(
     local_states = torch.matmul(Bg.transpose(-1, -2), weighted.view(batch, groups, chunks, q, rep * head_dim))
     local_states = local_states.view(batch, groups, chunks, state_size, rep, head_dim)
 
-    # 3. Carry the boundary states across chunks: the state entering chunk k (k = chunks: the
-    # final one) is sum_{i<=k} decay(i..k) z_i over z = [initial, local_0, ..., local_{chunks-1}],
-    # one batched product per head instead of a loop of `chunks` dependent steps.
-    z = x32.new_empty(batch, groups, rep, chunks + 1, state_size, head_dim)
+    # 3. Carry the boundary states across chunks (the only sequential part): states[:, :, c] is
+    # the state entering chunk c, states[:, :, chunks] the final one.
+    states = x32.new_empty(batch, groups, chunks + 1, state_size, rep, head_dim)
     if initial_state is None:
-        z[:, :, :, 0].zero_()
+        states[:, :, 0].zero_()
     else:
-        z[:, :, :, 0] = initial_state.reshape(batch, groups, rep, head_dim, state_size).transpose(-1, -2)
-    z[:, :, :, 1:] = local_states.permute(0, 1, 4, 2, 3, 5)
-    carry = _decay_to_later(F.pad(chunk_log_decay, (1, 0)))  # [b, h, i, k]: exp(sum of chunks i..k-1)
-    states = torch.matmul(
-        carry.view(batch, groups, rep, chunks + 1, chunks + 1).transpose(-1, -2),
-        z.view(batch, groups, rep, chunks + 1, state_size * head_dim),
-    ).view(batch, groups, rep, chunks + 1, state_size, head_dim)
+        states[:, :, 0] = initial_state.reshape(batch, groups, rep, head_dim, state_size).permute(0, 1, 4, 2, 3)
+    chunk_decay = decay_from_start[..., -1].view(batch, groups, rep, chunks).permute(0, 1, 3, 2)  # [b, g, c, r]
+    for c in range(chunks):
+        torch.addcmul(
+            local_states[:, :, c], states[:, :, c], chunk_decay[:, :, c, None, :, None], out=states[:, :, c + 1]
+        )
 
     # 4. What the state entering each chunk contributes to the chunk's outputs.
-    starts = states[:, :, :, :chunks].permute(0, 1, 3, 4, 2, 5).reshape(batch, groups, chunks, state_size, rep * head_dim)
+    starts = states[:, :, :chunks].reshape(batch, groups, chunks, state_size, rep * head_dim)
     from_state = torch.matmul(Cg, starts).view(batch, groups, chunks, q, rep, head_dim)
     y = y.view(batch, groups, rep, chunks, q, head_dim).addcmul_(
         from_state.permute(0, 1, 4, 2, 3, 5), decay_from_start.view(batch, groups, rep, chunks, q, 1)
@@ -209,7 +205,7 @@ def ssd_scan(
         torch.addcmul(y, x32, D.float()[:, None], out=out)
     else:
         out.copy_(y)
-    final_state = states[:, :, :, chunks].transpose(-1, -2).reshape(state_shape).to(state_dtype)
+    final_state = states[:, :, chunks].permute(0, 1, 3, 4, 2).reshape(state_shape).to(state_dtype)
     return ScanResult(out.to(x.dtype), final_state)
 
 
