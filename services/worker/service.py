@@ -210,10 +210,14 @@ class WorkerService(Actor[ToWorker]):
             return self._forward(msg, frames)
         tokens = sum(s.new_len for s in msg.seqs)
         threads = self.threads.pick(tokens)
-        if threads != torch.get_num_threads():
+        if threads != self.threads.max_threads:
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
-        out = self._forward(msg, frames)
+        try:
+            out = self._forward(msg, frames)
+        finally:
+            # Copy orders and anything else between steps get every thread.
+            torch.set_num_threads(self.threads.max_threads)
         self.threads.record(tokens, threads, time.perf_counter() - t0)
         return out
 
