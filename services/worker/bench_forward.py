@@ -62,8 +62,8 @@ from himamba.services.worker.models.base import HybridModel
 from himamba.services.worker.page_tables import PageTables
 from himamba.services.worker.pools import KVPool, StatePool
 from himamba.services.worker.runner import build_forward_batch
-from himamba.services.worker.step_threads import StepThreads
 from himamba.services.worker.sampler import sample
+from himamba.services.worker.step_threads import StepThreads
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _GREEDY = SamplingParams(temperature=0.0)
