@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import socket
 import statistics
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from himamba.common.client import Client
+from himamba.common.machine_info import describe_machine
 from himamba.services.bench.servers import start_server
 from himamba.services.worker.bench_forward import HFEngine, checkpoint_dir
 from himamba.services.worker.bench_generate import GenerateEngine, HFGenerate, PeerError, VLLMPeer
@@ -141,7 +143,10 @@ def run(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         for peer in peers:
             peer.close()
     rows = []
+    machine = describe_machine(args.threads, "cpu")
+    omp = os.environ.get("OMP_WAIT_POLICY", "unset")
     out.write(
+        f"{machine.line()}; OMP_WAIT_POLICY {omp} here (the server's services: PASSIVE unless set)\n"
         f"server overhead: {args.arch} {args.preset}, {args.prompt_len}-token prompts + {args.new_tokens} greedy tokens, "
         f"radix cache off, {args.threads} torch threads; medians [min-max] of {args.runs} runs\n"
         f"{'batch':>6}{'e2e s':>22}{'worker s':>22}{'server ms/token':>26}{'share':>8}\n"
@@ -171,7 +176,14 @@ def run(args: argparse.Namespace, out: Any) -> dict[str, Any]:
                 f"{'':>6}{peer.name + ' ' + _spread(theirs, '.3f'):>44}  (theirs / our served e2e: {ratio:.2f}x)\n"
             )
         rows.append(row)
-    summary = {"bench": "serve-overhead", "checkpoint": str(ckpt), "options": _jsonable(vars(args)), "rows": rows}
+    summary = {
+        "bench": "serve-overhead",
+        "checkpoint": str(ckpt),
+        "machine": machine._asdict(),
+        "omp_wait_policy": omp,
+        "options": _jsonable(vars(args)),
+        "rows": rows,
+    }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "serve_overhead.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

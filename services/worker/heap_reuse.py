@@ -5,7 +5,7 @@ makes 1-5 MiB activations). glibc serves blocks above its mmap threshold with a 
 unmaps them on free, so every op's output faults its pages in again (the kernel zeroes each one).
 The threshold adapts upwards after the first frees, but not for a forward's mix of sizes. Fixing
 it at 32 MiB (glibc's maximum) and the trim threshold at 256 MiB keeps those blocks in the heap:
-on a 2-core AMD EPYC, prefill of 512 tokens ran 1.15-1.3x faster and F.rms_norm over [2048, 512]
+on a 2-core AMD EPYC, prefill ran 1.05-1.3x faster (A/B runs) and F.rms_norm over [2048, 512]
 went from 2.7 ms to 0.46 ms. The cost is resident memory: up to the largest forward's temporaries
 plus the trim threshold stay mapped. Larger blocks (the pools) are still mmapped.
 """
