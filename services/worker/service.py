@@ -8,6 +8,7 @@ controller reuse a page right after ordering it copied elsewhere.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -218,7 +219,9 @@ class WorkerService(Actor[ToWorker]):
         finally:
             # Copy orders and anything else between steps get every thread.
             torch.set_num_threads(self.threads.max_threads)
-        self.threads.record(tokens, threads, time.perf_counter() - t0)
+        choice = self.threads.record(tokens, threads, time.perf_counter() - t0)
+        if choice is not None:
+            self.log.log(logging.INFO if choice.first else logging.DEBUG, "%s", choice.describe())
         return out
 
     @torch.inference_mode()

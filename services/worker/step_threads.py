@@ -17,10 +17,25 @@ as rightly, and above it one thread only loses.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 LEARN_MAX_TOKENS = 16
 _ALPHA = 0.25  # weight of a new sample in the running mean
 _FIRST_SAMPLES = 3  # samples of each candidate before the group picks (the first steps are cold)
+
+
+class Choice(NamedTuple):
+    """A size class's pick changed: steps of `low`..`high` tokens now run on `threads` threads."""
+
+    low: int
+    high: int
+    threads: int
+    mean_s: dict[int, float]  # the running mean step time under each candidate
+    first: bool  # the class's first pick (later ones follow the load, and may flip back and forth)
+
+    def describe(self) -> str:
+        times = ", ".join(f"{t} thread(s) {1e3 * s:.2f} ms" for t, s in sorted(self.mean_s.items()))
+        return f"steps of {self.low}-{self.high} tokens now run on {self.threads} thread(s) ({times})"
 
 
 @dataclass
@@ -28,6 +43,7 @@ class _Group:
     mean: dict[int, float] = field(default_factory=dict)  # threads -> running mean seconds per step
     samples: dict[int, int] = field(default_factory=dict)
     steps: int = 0
+    best: int | None = None  # the current pick, once every candidate has a mean
 
 
 class StepThreads:
@@ -55,17 +71,27 @@ class StepThreads:
             return next(t for t in self.candidates if t != best)
         return best
 
-    def record(self, tokens: int, threads: int, seconds: float) -> None:
-        """The step of `tokens` tokens ran on `threads` threads in `seconds`."""
+    def record(self, tokens: int, threads: int, seconds: float) -> Choice | None:
+        """The step of `tokens` tokens ran on `threads` threads in `seconds`; returns the size
+        class's new pick when this changed it (the worker logs it)."""
         if len(self.candidates) == 1 or tokens > LEARN_MAX_TOKENS or threads not in self.candidates:
-            return
-        group = self._groups.setdefault(tokens.bit_length(), _Group())
+            return None
+        key = tokens.bit_length()
+        group = self._groups.setdefault(key, _Group())
         n = group.samples.get(threads, 0)
         # The first sample of each candidate is skipped (caches and allocator are cold).
         if n >= 1:
             old = group.mean.get(threads)
             group.mean[threads] = seconds if old is None else old + _ALPHA * (seconds - old)
         group.samples[threads] = n + 1
+        if not all(t in group.mean for t in self.candidates):
+            return None
+        best = min(self.candidates, key=lambda t: group.mean[t])
+        if best == group.best:
+            return None
+        first = group.best is None
+        group.best = best
+        return Choice(1 << (key - 1), (1 << key) - 1, best, dict(group.mean), first)
 
     def choices(self) -> dict[int, int]:
         """For each learned group (its largest token count), the thread count it picks now."""

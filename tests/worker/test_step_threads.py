@@ -29,12 +29,23 @@ def test_learns_the_faster_candidate_per_group_and_keeps_exploring() -> None:
     assert choice.choices() == {1: 1, 15: 4}
 
 
-def test_follows_a_change_of_the_faster_candidate() -> None:
+def test_follows_a_change_of_the_faster_candidate_and_says_so_once_per_change() -> None:
     choice = StepThreads(2, explore_every=4)
-    _run(choice, 8, 40, {1: 0.004, 2: 0.006})
+    changes = []
+
+    def run(steps: int, seconds: dict[int, float]) -> None:
+        for _ in range(steps):
+            threads = choice.pick(8)
+            change = choice.record(8, threads, seconds[threads])
+            if change is not None:
+                changes.append(change)
+
+    run(40, {1: 0.004, 2: 0.006})
     assert choice.choices() == {15: 1}
-    _run(choice, 8, 200, {1: 0.009, 2: 0.006})  # the machine got busy: one thread now loses
+    run(200, {1: 0.009, 2: 0.006})  # the machine got busy: one thread now loses
     assert choice.choices() == {15: 2}
+    assert [(c.low, c.high, c.threads, c.first) for c in changes] == [(8, 15, 1, True), (8, 15, 2, False)]
+    assert "steps of 8-15 tokens now run on 2 thread(s)" in changes[-1].describe()
 
 
 def test_large_steps_and_a_single_thread_never_learn() -> None:
