@@ -4,10 +4,11 @@ A forward allocates and frees megabyte-sized temporaries op after op (a prefill 
 makes 1-5 MiB activations). glibc serves blocks above its mmap threshold with a fresh mmap and
 unmaps them on free, so every op's output faults its pages in again (the kernel zeroes each one).
 The threshold adapts upwards after the first frees, but not for a forward's mix of sizes. Fixing
-it at 32 MiB (glibc's maximum) and the trim threshold at 256 MiB keeps those blocks in the heap:
-on a 2-core AMD EPYC, prefill ran 1.05-1.3x faster (A/B runs) and F.rms_norm over [2048, 512]
-went from 2.7 ms to 0.46 ms. The cost is resident memory: up to the largest forward's temporaries
-plus the trim threshold stay mapped. Larger blocks (the pools) are still mmapped.
+it at 32 MiB (the cap of glibc's own adaptation) and the trim threshold at 256 MiB keeps those
+blocks in the heap: on a 2-core AMD EPYC, prefill ran 1.05-1.3x faster (A/B runs) and F.rms_norm
+over [2048, 512] went from 2.7 ms to 0.46 ms. The cost is resident memory: up to the largest
+forward's temporaries plus the trim threshold stay mapped. Larger blocks (the pools) are still
+mmapped.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import ctypes.util
 import sys
 from typing import NamedTuple
 
-MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: mallopt refuses more
+MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit, the cap of its own adaptation
 TRIM_THRESHOLD = 256 << 20
 
 _M_TRIM_THRESHOLD = -1  # glibc's malloc.h
