@@ -16,7 +16,6 @@ from torch import nn
 from himamba.kernels import (
     causal_conv1d,
     causal_conv1d_update,
-    gather_state_rows,
     scatter_state_rows,
     selective_state_update,
     ssd_scan,
@@ -25,7 +24,7 @@ from himamba.services.worker.forward_batch import ForwardBatch
 from himamba.services.worker.layers.conv_activation import conv_activation
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.norm import GatedRMSNorm
-from himamba.services.worker.layers.pool_rows import consecutive_rows
+from himamba.services.worker.layers.pool_rows import rows_to_update
 from himamba.services.worker.layers.recurrent_segments import State, run_prefill
 from himamba.services.worker.pools import StateComponent
 
@@ -148,13 +147,10 @@ class Mamba2Scan(nn.Module):
         assert slots is not None
         batch_size = xbc.shape[0]
         # Both kernels update the state they are given in place: the pool rows themselves when
-        # the slots are consecutive (always for one sequence), else gathered copies written back.
-        conv_state = consecutive_rows(conv_pool, slots)
-        ssm_state = consecutive_rows(ssm_pool, slots)
-        gathered = conv_state is None or ssm_state is None
-        if gathered:
-            conv_state = gather_state_rows(conv_pool, slots)
-            ssm_state = gather_state_rows(ssm_pool, slots)
+        # the slots are consecutive (one sequence, or a batch's resident rows), else gathered
+        # copies written back.
+        conv_state, gathered = rows_to_update(conv_pool, slots)
+        ssm_state, _ = rows_to_update(ssm_pool, slots)
         xbc = self.conv_act.apply(
             causal_conv1d_update(xbc, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.conv_act.fused)
         )
