@@ -20,6 +20,7 @@ bandwidth) and each figure is also given as a fraction of them. The last line is
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -347,25 +348,19 @@ class OurEngine:
         )
         frames = [tensor_frame(ids_t), tensor_frame(pages_t)]
 
-        step_tokens = len(ids)
-        chosen = self.threads.pick(step_tokens) if self.threads is not None else torch.get_num_threads()
-        if chosen != torch.get_num_threads():
-            torch.set_num_threads(chosen)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            batch, states = build_forward_batch(msg, frames, self.tables, self.state.num_slots, self.device)
-            zero = [p.state_slot for p in plans if p.state_init == "zero"]
-            if zero:
-                self.state.zero(torch.tensor(zero, dtype=torch.int64))
-        t1 = time.perf_counter()
-        logits = self.model.forward(batch, self.kv, self.state)
-        t2 = time.perf_counter()
-        tokens = sample(logits, [q.sampling for q in states], [0] * len(plans)).tokens
-        t3 = time.perf_counter()
-        if self.threads is not None:
-            self.threads.record(step_tokens, chosen, t3 - t0)
-            # transformers runs in this process too, always on the bench's thread count.
-            torch.set_num_threads(self.threads.max_threads)
+        # The worker's per-step thread choice; afterwards transformers (in this process) gets every thread.
+        with self.threads.step(len(ids)) if self.threads is not None else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                batch, states = build_forward_batch(msg, frames, self.tables, self.state.num_slots, self.device)
+                zero = [p.state_slot for p in plans if p.state_init == "zero"]
+                if zero:
+                    self.state.zero(torch.tensor(zero, dtype=torch.int64))
+            t1 = time.perf_counter()
+            logits = self.model.forward(batch, self.kv, self.state)
+            t2 = time.perf_counter()
+            tokens = sample(logits, [q.sampling for q in states], [0] * len(plans)).tokens
+            t3 = time.perf_counter()
         self.last_logits = logits
         times.build.append(t1 - t0)
         times.model.append(t2 - t1)

@@ -45,7 +45,7 @@ from himamba.services.worker.page_tables import PageTables
 from himamba.services.worker.pools import KVPool, StatePool
 from himamba.services.worker.runner import build_forward_batch
 from himamba.services.worker.sampler import sample
-from himamba.services.worker.step_threads import StepThreads
+from himamba.services.worker.step_threads import Choice, StepThreads
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -87,7 +87,7 @@ class WorkerService(Actor[ToWorker]):
             heap = reuse_heap()
             self.log.info("heap reuse: %s", heap.reason)
         use_adaptive = cfg.model.adaptive_threads and self.device.type == "cpu"
-        self.threads = StepThreads(torch.get_num_threads()) if use_adaptive else None
+        self.threads = StepThreads(torch.get_num_threads(), on_choice=self._log_thread_choice) if use_adaptive else None
         model_dir = Path(cfg.model.model)
         t0 = time.perf_counter()
         self.model = load_model(model_dir, device=self.device, dtype=_DTYPES[cfg.model.dtype])
@@ -209,20 +209,12 @@ class WorkerService(Actor[ToWorker]):
         """One step on the thread count `StepThreads` picks for its size (on the CPU)."""
         if self.threads is None:
             return self._forward(msg, frames)
-        tokens = sum(s.new_len for s in msg.seqs)
-        threads = self.threads.pick(tokens)
-        if threads != self.threads.max_threads:
-            torch.set_num_threads(threads)
-        t0 = time.perf_counter()
-        try:
-            out = self._forward(msg, frames)
-        finally:
-            # Copy orders and anything else between steps get every thread.
-            torch.set_num_threads(self.threads.max_threads)
-        choice = self.threads.record(tokens, threads, time.perf_counter() - t0)
-        if choice is not None:
-            self.log.log(logging.INFO if choice.first else logging.DEBUG, "%s", choice.describe())
-        return out
+        with self.threads.step(sum(s.new_len for s in msg.seqs)):
+            return self._forward(msg, frames)
+
+    def _log_thread_choice(self, choice: Choice) -> None:
+        # A size class's first pick is news; later flips follow the load.
+        self.log.log(logging.INFO if choice.first else logging.DEBUG, "%s", choice.describe())
 
     @torch.inference_mode()
     def _forward(self, msg: RunBatch, frames: list[Any]) -> tuple[BatchDone, list[torch.Tensor]]:

@@ -16,8 +16,13 @@ as rightly, and above it one thread only loses.
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import torch
 
 LEARN_MAX_TOKENS = 16
 _ALPHA = 0.25  # weight of a new sample in the running mean
@@ -49,13 +54,32 @@ class _Group:
 class StepThreads:
     """Picks the thread count of a step from its token count; `record` feeds back the step's time."""
 
-    def __init__(self, max_threads: int, explore_every: int = 64) -> None:
+    def __init__(
+        self, max_threads: int, explore_every: int = 64, on_choice: Callable[[Choice], None] | None = None
+    ) -> None:
         if max_threads < 1 or explore_every < 2:
             raise ValueError(f"max_threads must be >= 1 and explore_every >= 2, got {max_threads}, {explore_every}")
         self.max_threads = max_threads
         self.candidates = (max_threads, 1) if max_threads > 1 else (1,)
         self.explore_every = explore_every
+        self.on_choice = on_choice  # told of every change of a size class's pick (the worker logs it)
         self._groups: dict[int, _Group] = {}
+
+    @contextlib.contextmanager
+    def step(self, tokens: int) -> Iterator[None]:
+        """Run the body, one step of `tokens` tokens, on the picked thread count; learn from its time."""
+        threads = self.pick(tokens)
+        if threads != self.max_threads:
+            torch.set_num_threads(threads)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            # Whatever runs between steps (copy orders; transformers in the bench) gets every thread.
+            torch.set_num_threads(self.max_threads)
+        choice = self.record(tokens, threads, time.perf_counter() - t0)
+        if choice is not None and self.on_choice is not None:
+            self.on_choice(choice)
 
     def pick(self, tokens: int) -> int:
         """Threads for a step of `tokens` new tokens."""
@@ -66,7 +90,8 @@ class StepThreads:
             if group.samples.get(threads, 0) < _FIRST_SAMPLES:
                 return threads
         group.steps += 1
-        best = min(self.candidates, key=lambda t: group.mean[t])
+        best = group.best
+        assert best is not None  # set by `record` once every candidate has a mean
         if group.steps % self.explore_every == 0:
             return next(t for t in self.candidates if t != best)
         return best
@@ -95,8 +120,4 @@ class StepThreads:
 
     def choices(self) -> dict[int, int]:
         """For each learned group (its largest token count), the thread count it picks now."""
-        out = {}
-        for key, group in sorted(self._groups.items()):
-            if all(t in group.mean for t in self.candidates):
-                out[(1 << key) - 1] = min(self.candidates, key=lambda t: group.mean[t])
-        return out
+        return {(1 << key) - 1: g.best for key, g in sorted(self._groups.items()) if g.best is not None}

@@ -62,3 +62,25 @@ def test_rejects_bad_settings() -> None:
         StepThreads(0)
     with pytest.raises(ValueError):
         StepThreads(2, explore_every=1)
+
+
+def test_a_step_runs_on_the_picked_threads_and_gives_every_thread_back() -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    choices = []
+    steps = StepThreads(2, on_choice=choices.append)
+    seen = []
+    try:
+        for _ in range(6):  # three samples of each candidate: 2 threads first, then 1
+            with steps.step(1):
+                seen.append(torch.get_num_threads())
+            assert torch.get_num_threads() == 2
+        assert seen == [2, 2, 2, 1, 1, 1]
+        # The class's first pick was announced (empty steps time alike: later flips may follow).
+        assert choices and choices[0].first and not any(c.first for c in choices[1:])
+        with pytest.raises(RuntimeError), steps.step(1):
+            raise RuntimeError("the forward failed")
+        assert torch.get_num_threads() == 2  # given back after a failed step too
+    finally:
+        torch.set_num_threads(before)
