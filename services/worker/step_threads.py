@@ -69,7 +69,7 @@ class StepThreads:
     def step(self, tokens: int) -> Iterator[None]:
         """Run the body, one step of `tokens` tokens, on the picked thread count; learn from its time."""
         threads = self.pick(tokens)
-        if threads != self.max_threads:
+        if threads != torch.get_num_threads():  # whoever ran before may have left another count
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
         try:
