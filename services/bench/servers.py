@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,13 @@ def instance_endpoints(instance: str, runtime_dir: str = "") -> dict[str, str]:
     """Where a `himamba serve --instance NAME` (run as this user) binds its endpoints."""
     directory = runtime_base(runtime_dir) / instance
     return {n: socket_endpoint(directory, n) for n in ENDPOINT_FIELDS}
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _flag_value(flags: tuple[str, ...], name: str) -> str | None:
