@@ -88,14 +88,17 @@ def sample(
         logits = grammar.apply(logits.clone())
         for i, why in grammar.errors.items():
             errors.setdefault(i, why)
-    # One batched check: a NaN anywhere, or no finite logit to pick.
-    bad = torch.isnan(logits).any(dim=-1) | ~torch.isfinite(logits).any(dim=-1)
-    if bool(bad.any()):
-        for i in torch.nonzero(bad).view(-1).tolist():
+    # One pass over the logits: each row's max and its first index (the greedy token; ties break
+    # as argmax does). A finite max means no NaN (max propagates it) and a finite logit to pick, so
+    # only rows whose max is not finite are checked whole: a NaN anywhere, or nothing finite.
+    top, out = logits.max(dim=-1)
+    odd = torch.nonzero(~torch.isfinite(top)).view(-1)
+    if odd.numel():
+        rows = logits[odd]
+        bad = torch.isnan(rows).any(dim=-1) | ~torch.isfinite(rows).any(dim=-1)
+        for i in odd[bad].tolist():
             errors.setdefault(i, "sampling failed: the model produced non-finite logits")
-        logits = logits.masked_fill(bad.view(-1, 1), 0.0)  # keeps the batched ops below finite
     greedy = [p.temperature == 0.0 for p in params]
-    out = torch.argmax(logits, dim=-1)
     if not all(greedy):
         for i, p in enumerate(params):
             if greedy[i] or i in errors:

@@ -61,3 +61,21 @@ def test_a_poisoned_row_fails_alone(row: int, poison: object) -> None:
 def test_a_clean_batch_has_no_errors() -> None:
     got = sample(_logits(), PARAMS, [0] * len(PARAMS))
     assert got.errors == {} and len(got.tokens) == len(PARAMS)
+
+
+def test_one_infinite_logit_among_finite_ones_is_picked_not_failed() -> None:
+    logits = _logits()
+    logits[0, 9] = float("inf")
+    logits[0, 30] = float("-inf")
+    got = sample(logits, PARAMS, [7] * len(PARAMS), _penalties())
+    assert got.errors == {} and got.tokens[0] == 9
+
+
+def test_greedy_ties_take_the_first_index_over_a_large_vocabulary() -> None:
+    # Wide rows are reduced by several threads: the first maximal index must still win.
+    logits = torch.zeros(3, 200_000)
+    logits[0, [150_000, 70_000, 199_999]] = 1.0
+    logits[2, [5, 120_000]] = -0.5
+    logits[2] -= 1.0
+    got = sample(logits, [SamplingParams()] * 3, [0] * 3)
+    assert got.tokens == [70_000, 0, 0] and got.errors == {}
