@@ -22,6 +22,7 @@ import zmq
 
 from himamba.common.config import Config, ConfigError, HttpConfig, encode
 from himamba.common.messages import Fatal, Ready, ToLauncher
+from himamba.common.openmp_wait import openmp_wait_env
 from himamba.common.runtime_dir import InstanceLock
 
 SERVICES = ("worker", "cache", "scheduler", "tokenizer")
@@ -76,7 +77,7 @@ class Launcher:
                 self.cfg = prepare(self.cfg)
             self.config_path.write_bytes(encode(self.cfg))
             for name in SERVICES:
-                proc = subprocess.Popen(child_command(name, self.config_path), env=_child_env())
+                proc = subprocess.Popen(child_command(name, self.config_path), env=_child_env(name, self.cfg))
                 self.children.append(Child(name, proc))
                 self.log.info("started %s (pid %d)", name, proc.pid)
             code = self._wait_ready()
@@ -201,13 +202,14 @@ def check_port_free(http: HttpConfig) -> None:
             raise ConfigError(f"port: cannot bind {http.host}:{http.port}: {e.strerror}") from None
 
 
-def _child_env() -> dict[str, str]:
+def _child_env(name: str, cfg: Config) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONSAFEPATH"] = "1"
-    # OpenMP threads that spin while waiting make a step 10-30x slower whenever the cores are
-    # shared (several services on one machine); the user's own setting wins.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return env
+    # OpenMP threads that spin without bound make a step 10-30x slower whenever the cores are
+    # shared (several services on one machine): every service sleeps at once, except the
+    # worker's threads with a bounded spin (model.omp_spin); the user's own setting wins.
+    worker_cpu = name == "worker" and cfg.model.device == "cpu"
+    return openmp_wait_env(env, cfg.model.omp_spin if worker_cpu else 0)
 
 
 def serve(cfg: Config) -> int:

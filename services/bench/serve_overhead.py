@@ -35,7 +35,9 @@ from typing import Any
 import torch
 
 from himamba.common.client import Client
+from himamba.common.config import Config
 from himamba.common.machine_info import describe_machine
+from himamba.common.openmp_wait import describe_openmp_wait, openmp_wait_env
 from himamba.services.bench.http_completions import complete_batch, served_model
 from himamba.services.bench.servers import free_port, start_server
 from himamba.services.bench.vllm_server import VLLMServer
@@ -128,6 +130,7 @@ def run(args: argparse.Namespace, out: Any) -> dict[str, Any]:
     ckpt = args.checkpoint or checkpoint_dir(args.arch, args.preset, args.seed)
     port = free_port()
     flags = ["--torch-threads", str(args.threads), "--disable-radix-cache", "--port", str(port)]
+    flags += ["--omp-spin", str(args.omp_spin)]
     flags += ["--report-interval-s", str(_REPORT_INTERVAL_S)]
     server = start_server(ckpt, Path(args.out) / "logs", *flags, ready_timeout_s=600)
     gen = torch.Generator().manual_seed(args.seed)
@@ -173,9 +176,10 @@ def run(args: argparse.Namespace, out: Any) -> dict[str, Any]:
             other.close()
     rows = []
     machine = describe_machine(args.threads, "cpu")
-    omp = os.environ.get("OMP_WAIT_POLICY", "unset")
+    omp = describe_openmp_wait(os.environ)
+    worker_wait = describe_openmp_wait(openmp_wait_env(os.environ, args.omp_spin))
     out.write(
-        f"{machine.line()}; OMP_WAIT_POLICY {omp} here (the server's services: PASSIVE unless set)\n"
+        f"{machine.line()}; OpenMP waits here: {omp}; the server's worker: {worker_wait}\n"
         f"server overhead: {args.arch} {args.preset}, {args.prompt_len}-token prompts + {args.new_tokens} greedy tokens, "
         f"radix cache off, {args.threads} torch threads; medians [min-max] of {args.runs} runs\n"
     )
@@ -214,6 +218,7 @@ def run(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         "checkpoint": str(ckpt),
         "machine": machine._asdict(),
         "omp_wait_policy": omp,
+        "server_worker_omp_wait": worker_wait,
         "peer_bindings": bindings,
         "options": _jsonable(vars(args)),
         "rows": rows,
@@ -251,6 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--out", default="himamba-bench-serve-overhead")
     p.add_argument(
+        "--omp-spin",
+        type=int,
+        default=Config().model.omp_spin,
+        help="the server's `model.omp_spin` (its worker's OpenMP threads spin this many iterations before they sleep)",
+    )
+    p.add_argument(
         "--reference",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -269,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     args.peer = [name for name in args.peer if name != "none"]
     if args.peer and (args.peer_python is None or not args.peer_python.is_file()):
         p.error(f"--peer {' '.join(args.peer)} needs --peer-python naming the Python of a venv holding it")
+    if args.omp_spin < 0:
+        p.error("--omp-spin must be >= 0")
     for name in ("threads", "prompt_len", "new_tokens", "runs"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -39,6 +39,8 @@ import torch
 
 from himamba.common.config import Config
 from himamba.common.messages import RunBatch, SeqPlan
+from himamba.common.openmp_wait import USER_VARIABLES as OPENMP_WAIT_VARIABLES
+from himamba.common.openmp_wait import describe_openmp_wait, openmp_wait_env
 from himamba.common.types import SamplingParams
 from himamba.common.wire import tensor_frame, tensor_ref
 from himamba.services.modelgen.checkpoint import ARCHS, make_checkpoint
@@ -82,7 +84,7 @@ class Machine:
     device: str
     cpu: str
     torch_version: str
-    omp_wait_policy: str  # OMP_WAIT_POLICY the run had ("default" when unset)
+    omp_wait_policy: str  # how idle OpenMP threads waited in this run (describe_openmp_wait)
     heap_reuse: str  # what reuse_heap did for this process (ours and transformers), as the worker does
     matmul_flops_per_s: float  # in the bench dtype
     copy_bytes_per_s: float  # bytes read + written per second
@@ -126,7 +128,7 @@ def probe_machine(dtype: torch.dtype, threads: int, heap_reuse: str = "off") -> 
         device="cpu",
         cpu=_cpu_name(),
         torch_version=torch.__version__,
-        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"),
+        omp_wait_policy=describe_openmp_wait(os.environ),
         heap_reuse=heap_reuse,
         matmul_flops_per_s=flops,
         copy_bytes_per_s=2 * src.numel() * src.element_size() / copy_s,
@@ -438,7 +440,8 @@ class Options:
     reference: bool
     checkpoint: Path | None
     seed: int
-    omp_wait_policy: str  # "passive" | "active" | "inherit"
+    omp_wait_policy: str  # "server" | "passive" | "active" | "inherit"
+    omp_spin: int = 0  # the worker's `model.omp_spin`, for "server"
     heap_reuse: bool = True  # as the worker's `model.heap_reuse`
     adaptive_threads: bool = True  # as the worker's `model.adaptive_threads`
     phases: bool = True  # the per-phase table
@@ -778,7 +781,7 @@ def _print_table(
     gbs = machine.copy_bytes_per_s / 1e9
     out.write(
         f"machine: {machine.cpu}; {machine.cores} cores, torch threads {machine.torch_threads}, "
-        f"device {machine.device}, torch {machine.torch_version}, OMP_WAIT_POLICY {machine.omp_wait_policy}, "
+        f"device {machine.device}, torch {machine.torch_version}, OpenMP waits: {machine.omp_wait_policy}, "
         f"heap reuse: {machine.heap_reuse}\n"
         f"limits (median of 3 probes): matmul {gflops:.1f} GFLOP/s ({opts.dtype}), "
         f"copy {gbs:.1f} GB/s (read+write)\n"
@@ -869,11 +872,18 @@ def parse_args(argv: list[str]) -> Options:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--omp-wait-policy",
-        choices=("passive", "active", "inherit"),
-        default="passive",
-        help="OpenMP idle threads sleep (passive) or spin (active); both engines run under it. On a "
-        "machine shared with other work, spinning threads of a parallel region wait for a descheduled "
-        "peer at every op: 10-30x slower decode for both engines (default: passive)",
+        choices=("server", "passive", "active", "inherit"),
+        default="server",
+        help="how idle OpenMP threads wait, for every engine: as the server's worker does (server: sleep at "
+        "once, or spin --omp-spin iterations first; your own OMP_WAIT_POLICY / GOMP_SPINCOUNT wins), sleep "
+        "(passive), spin without bound (active: on a machine shared with other work, 10-30x slower decode "
+        "for both engines), or this process's environment (inherit)",
+    )
+    p.add_argument(
+        "--omp-spin",
+        type=int,
+        default=Config().model.omp_spin,
+        help="as the worker's `model.omp_spin` (the server's default), used by --omp-wait-policy server",
     )
     p.add_argument(
         "--heap-reuse",
@@ -893,6 +903,8 @@ def parse_args(argv: list[str]) -> Options:
     for name in ("threads", "context", "repeats", "decode_steps", "page_size", "gen_prompt", "gen_tokens", "gen_runs"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.omp_spin < 0:
+        p.error("--omp-spin must be >= 0")
     if a.peer != "none" and a.peer_python is None:
         p.error(f"--peer {a.peer} needs --peer-python (the Python of a venv holding it)")
     if a.peer_python is not None and not a.peer_python.is_file():
@@ -912,6 +924,7 @@ def parse_args(argv: list[str]) -> Options:
         checkpoint=a.checkpoint,
         seed=a.seed,
         omp_wait_policy=a.omp_wait_policy,
+        omp_spin=a.omp_spin,
         heap_reuse=a.heap_reuse,
         adaptive_threads=a.adaptive_threads,
         phases=not a.no_phases,
@@ -927,17 +940,27 @@ def parse_args(argv: list[str]) -> Options:
     )
 
 
+def wait_env(policy: str, spin: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment a run under `policy` needs (every engine inherits it)."""
+    if policy == "inherit":
+        return dict(environ)
+    if policy == "server":
+        return openmp_wait_env(environ, spin)
+    env = {k: v for k, v in environ.items() if k not in OPENMP_WAIT_VARIABLES}
+    env["OMP_WAIT_POLICY"] = policy.upper()
+    return env
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `himamba bench forward`; returns the exit status.
 
-    OpenMP reads OMP_WAIT_POLICY once, when torch loads it, so a run that needs another policy
+    OpenMP reads its wait policy once, when torch loads it, so a run that needs another policy
     than this process has is re-run in a child process with it set.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     opts = parse_args(args)
-    wanted = opts.omp_wait_policy.upper()
-    if opts.omp_wait_policy != "inherit" and os.environ.get("OMP_WAIT_POLICY", "").upper() != wanted:
-        env = dict(os.environ, OMP_WAIT_POLICY=wanted)
+    env = wait_env(opts.omp_wait_policy, opts.omp_spin, os.environ)
+    if any(env.get(name) != os.environ.get(name) for name in OPENMP_WAIT_VARIABLES):
         return subprocess.call([sys.executable, "-m", "himamba.services.worker.bench_forward", *args], env=env)
     try:
         summary = run(opts, sys.stdout, sys.stderr)

@@ -17,7 +17,7 @@ def test_rounds_split_end_to_end_time_into_worker_and_server(tmp_path: Path) -> 
     ckpt = make_checkpoint("nemotron_h", tmp_path / "ckpt", preset="tiny", seed=1)
     args = Namespace(
         arch="nemotron_h", preset="tiny", checkpoint=ckpt, seed=0, threads=1, prompt_len=16, new_tokens=8,
-        batches=[1, 2], runs=1, out=str(tmp_path / "out"), reference=True, peer=[], peer_python=None,
+        batches=[1, 2], runs=1, out=str(tmp_path / "out"), reference=True, peer=[], peer_python=None, omp_spin=0,
     )  # fmt: skip
     out = io.StringIO()
     summary = run(args, out)
