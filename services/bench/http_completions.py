@@ -8,11 +8,12 @@ the server's answer, never a shorter run timed as if it were whole.
 
 from __future__ import annotations
 
+import functools
 import json
-import threading
-import time
 import urllib.error
 import urllib.request
+
+from himamba.services.bench.at_once import wall_seconds_at_once
 
 
 class CompletionError(RuntimeError):
@@ -47,21 +48,6 @@ def complete_batch(
     base_url: str, model: str, prompts: list[list[int]], new_tokens: int, timeout_s: float = 600.0
 ) -> float:
     """Send every prompt at once; wall seconds until the last completion is back."""
-    errors: list[BaseException] = []
-
-    def one(prompt: list[int]) -> None:
-        try:
-            _complete(base_url, model, prompt, new_tokens, timeout_s)
-        except Exception as e:  # noqa: BLE001  # re-raised in the caller's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
-    return wall
+    return wall_seconds_at_once(
+        [functools.partial(_complete, base_url, model, p, new_tokens, timeout_s) for p in prompts]
+    )

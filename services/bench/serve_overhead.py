@@ -21,12 +21,12 @@ within each round; every server stays up for the whole run (an idle server uses 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
 import statistics
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -38,6 +38,7 @@ from himamba.common.client import Client
 from himamba.common.config import Config
 from himamba.common.machine_info import describe_machine
 from himamba.common.openmp_wait import describe_openmp_wait, openmp_wait_env
+from himamba.services.bench.at_once import wall_seconds_at_once
 from himamba.services.bench.http_completions import complete_batch, served_model
 from himamba.services.bench.servers import free_port, start_server
 from himamba.services.bench.vllm_server import VLLMServer
@@ -63,24 +64,12 @@ def _settled_step_seconds(port: int) -> float:
 def _run_batch(endpoint: str, prompts: list[list[int]], new_tokens: int) -> float:
     """Send every prompt at once (one client each); wall seconds until the last one is done."""
     done = [0] * len(prompts)
-    errors: list[BaseException] = []
 
     def one(i: int) -> None:
-        try:
-            with Client(endpoint) as c:
-                done[i] = len(c.generate(input_ids=prompts[i], max_tokens=new_tokens, ignore_eos=True).token_ids)
-        except Exception as e:  # noqa: BLE001  # re-raised in the caller's thread
-            errors.append(e)
+        with Client(endpoint) as c:
+            done[i] = len(c.generate(input_ids=prompts[i], max_tokens=new_tokens, ignore_eos=True).token_ids)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
+    wall = wall_seconds_at_once([functools.partial(one, i) for i in range(len(prompts))])
     if done != [new_tokens] * len(prompts):
         raise RuntimeError(f"expected {new_tokens} tokens per request, got {done}")
     return wall
