@@ -50,7 +50,9 @@ class Running:
 
 def _snapshot(c: CacheController) -> tuple:
     tree = c.tree
-    hits = sum(n.hit_count for n in _nodes(tree.root)) if tree is not None else 0
+    # Hits per token: a match may split a node (both halves keep its count), which changes no
+    # token's count; a plain sum over nodes would count that split as a hit.
+    hits = sum(n.hit_count * len(n.key) for n in _nodes(tree.root)) if tree is not None else 0
     return (
         c.device_kv.num_free,
         c.device_state.num_free,
