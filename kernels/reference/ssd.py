@@ -69,6 +69,10 @@ def _check_heads(
 # Clamping there changes a result of at most 1.2e-38 into 1.6e-38, far below float32 resolution of
 # any sum it enters.
 _EXP_FLOOR = -87.0
+# exp() stays finite below about 88.7: the decay entries a caller masks to zero are clamped here, so
+# that the mask multiplies a finite number (0 * inf would be nan). Unmasked exponents are <= 0 for
+# the decays every model has (dt >= 0, A < 0); a positive one this large would overflow anyway.
+_EXP_CEIL = 80.0
 # The fastest chunk length of `ssd_scan` on CPU (measured on AVX2: 64 beats 32 and 128 by 5-30%).
 _CPU_CHUNK = 64
 
@@ -79,16 +83,19 @@ def _exp(t: Tensor) -> Tensor:
 
 
 def _decay_to_later(log_decay: Tensor) -> Tensor:
-    """[..., Q] log decays -> [..., Q(s), Q(l)]: exp(a_{s+1} + ... + a_l) for l >= s, 0 for l < s.
+    """[..., Q] log decays -> [..., Q(s), Q(l)]: exp(a_{s+1} + ... + a_l) for l >= s, and a finite
+    value for l < s (callers mask those), with the exponents clamped to [_EXP_FLOOR, _EXP_CEIL].
 
-    The transpose of `decay.segment_decay` (same masked-increment sums, so the same exponents), laid
-    out so the running sum goes along the contiguous last dim, and with the exp clamped (_exp).
+    The transpose of `decay.segment_decay`, laid out so each token's row runs along the contiguous
+    last dim. Exponents are differences of a float64 running sum, rounded once to float32: the
+    same float32 values as summing the masked increments (torch's CPU cumsum adds float32 in
+    float64), in three passes over the [Q, Q] tensors instead of five.
     """
     q = log_decay.shape[-1]
-    # triu keeps the increments a_l with l > s (and then the l >= s decays); it runs several
-    # times faster than masked_fill with a broadcast [Q, Q] mask.
-    seg = torch.triu(log_decay.unsqueeze(-2).expand(*log_decay.shape[:-1], q, q), diagonal=1).cumsum(-1)
-    return _exp(seg).triu_()
+    running = log_decay.double().cumsum(-1)
+    seg = log_decay.new_empty(*log_decay.shape, q)
+    torch.sub(running.unsqueeze(-2), running.unsqueeze(-1), out=seg)
+    return seg.clamp_(_EXP_FLOOR, _EXP_CEIL).exp_()
 
 
 def ssd_scan(
@@ -158,12 +165,16 @@ def ssd_scan(
     Bg = Bf.view(batch, chunks, q, groups, state_size).permute(0, 3, 1, 2, 4)  # [b, g, c, s, n]
     Cg = Cf.view(batch, chunks, q, groups, state_size).permute(0, 3, 1, 2, 4)  # [b, g, c, l, n]
 
-    decay_t = _decay_to_later(dA)  # [b, h, c, s, l]
+    decay_t = _decay_to_later(dA)  # [b, h, c, s, l], unmasked
     decay_from_start = _exp(dA.cumsum(-1))  # [b, h, c, l]: exp(sum_{k<=l} dA_k)
     decay_to_end = decay_t[..., -1].clone()  # [b, h, c, s]: exp(sum_{k>s} dA_k)
+    # Contiguous once: as permuted views every product below would copy them again.
+    Bg = Bg.contiguous()
+    Cg = Cg.contiguous()
 
     # 1. Within-chunk outputs: the recurrence unrolled as a causal, decay-weighted C·B product.
-    cb_t = torch.matmul(Bg, Cg.transpose(-1, -2))  # [b, g, c, s, l]
+    # The causal mask goes on the group's C·B, rep times smaller than the heads' decays.
+    cb_t = torch.matmul(Bg, Cg.transpose(-1, -2)).triu_()  # [b, g, c, s, l]
     scores_t = decay_t.view(batch, groups, rep, chunks, q, q).mul_(cb_t.unsqueeze(2))
     xh = xdt.view(batch, heads, chunks, q, head_dim)
     y = torch.matmul(scores_t.view(batch, heads, chunks, q, q).transpose(-1, -2), xh)  # [b, h, c, l, p]
@@ -179,33 +190,37 @@ def ssd_scan(
     local_states = torch.matmul(Bg.transpose(-1, -2), weighted.view(batch, groups, chunks, q, rep * head_dim))
     local_states = local_states.view(batch, groups, chunks, state_size, rep, head_dim)
 
-    # 3. Carry the boundary states across chunks (the only sequential part): states[:, :, c] is
-    # the state entering chunk c, states[:, :, chunks] the final one.
-    states = x32.new_empty(batch, groups, chunks + 1, state_size, rep, head_dim)
+    # 3. Carry the boundary states across chunks (the only sequential part): entering[:, :, c] is
+    # the state entering chunk c. The final state is kept apart so that `entering` stays one
+    # block the product in step 4 reads without a copy.
+    entering = x32.new_empty(batch, groups, chunks, state_size, rep, head_dim)
     if initial_state is None:
-        states[:, :, 0].zero_()
+        entering[:, :, 0].zero_()
     else:
-        states[:, :, 0] = initial_state.reshape(batch, groups, rep, head_dim, state_size).permute(0, 1, 4, 2, 3)
+        entering[:, :, 0] = initial_state.reshape(batch, groups, rep, head_dim, state_size).permute(0, 1, 4, 2, 3)
     chunk_decay = decay_from_start[..., -1].view(batch, groups, rep, chunks).permute(0, 1, 3, 2)  # [b, g, c, r]
-    for c in range(chunks):
+    for c in range(chunks - 1):
         torch.addcmul(
-            local_states[:, :, c], states[:, :, c], chunk_decay[:, :, c, None, :, None], out=states[:, :, c + 1]
+            local_states[:, :, c], entering[:, :, c], chunk_decay[:, :, c, None, :, None], out=entering[:, :, c + 1]
         )
+    last = chunks - 1
+    final = torch.addcmul(local_states[:, :, last], entering[:, :, last], chunk_decay[:, :, last, None, :, None])
 
-    # 4. What the state entering each chunk contributes to the chunk's outputs.
-    starts = states[:, :, :chunks].reshape(batch, groups, chunks, state_size, rep * head_dim)
-    from_state = torch.matmul(Cg, starts).view(batch, groups, chunks, q, rep, head_dim)
-    y = y.view(batch, groups, rep, chunks, q, head_dim).addcmul_(
-        from_state.permute(0, 1, 4, 2, 3, 5), decay_from_start.view(batch, groups, rep, chunks, q, 1)
+    # 4. What the state entering each chunk contributes to the chunk's outputs, added while the
+    # outputs are written token-major ([b, c, l, g, r, p] is [b, L, h, p]): the transpose the
+    # result needs rides on this pass instead of one of its own.
+    from_state = torch.matmul(Cg, entering.view(batch, groups, chunks, state_size, rep * head_dim))
+    tokens = x32.new_empty(batch, chunks, q, groups, rep, head_dim)
+    torch.addcmul(
+        y.view(batch, groups, rep, chunks, q, head_dim).permute(0, 3, 4, 1, 2, 5),
+        from_state.view(batch, groups, chunks, q, rep, head_dim).permute(0, 2, 3, 1, 4, 5),
+        decay_from_start.view(batch, groups, rep, chunks, q, 1).permute(0, 3, 4, 1, 2, 5),
+        out=tokens,
     )
-
-    y = y.view(batch, heads, padded, head_dim)[:, :, :length].transpose(1, 2)  # [b, L, h, p]
-    out = torch.empty(batch, length, heads, head_dim, dtype=torch.float32, device=x.device)
+    out = tokens.view(batch, padded, heads, head_dim)[:, :length]
     if D is not None:
-        torch.addcmul(y, x32, D.float()[:, None], out=out)
-    else:
-        out.copy_(y)
-    final_state = states[:, :, chunks].permute(0, 1, 3, 4, 2).reshape(state_shape).to(state_dtype)
+        out.addcmul_(x32, D.float()[:, None])
+    final_state = final.permute(0, 1, 3, 4, 2).reshape(state_shape).to(state_dtype)
     return ScanResult(out.to(x.dtype), final_state)
 
 
