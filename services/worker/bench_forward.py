@@ -64,7 +64,7 @@ from himamba.services.worker.loader import load_model
 from himamba.services.worker.models.base import HybridModel
 from himamba.services.worker.page_tables import PageTables
 from himamba.services.worker.pools import KVPool, StatePool
-from himamba.services.worker.runner import build_forward_batch
+from himamba.services.worker.runner import build_forward_batch, slots_to_zero
 from himamba.services.worker.sampler import sample
 from himamba.services.worker.step_threads import StepThreads
 
@@ -355,7 +355,7 @@ class OurEngine:
             t0 = time.perf_counter()
             with torch.inference_mode():
                 batch, states = build_forward_batch(msg, frames, self.tables, self.state.num_slots, self.device)
-                zero = [p.state_slot for p in plans if p.state_init == "zero"]
+                zero = slots_to_zero(mode, plans)
                 if zero:
                     self.state.zero(torch.tensor(zero, dtype=torch.int64))
             t1 = time.perf_counter()

@@ -6,11 +6,12 @@ controller; the runner only lays them out as tensors on the worker's device.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from himamba.common.messages import RunBatch
+from himamba.common.messages import RunBatch, SeqPlan
 from himamba.common.wire import WireError, get_tensor
 from himamba.services.worker.forward_batch import Capture, ForwardBatch
 from himamba.services.worker.page_tables import PageTables, SeqState
@@ -79,3 +80,14 @@ def build_forward_batch(
         batch.slot_table = table
         batch.seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
     return batch, states
+
+
+def slots_to_zero(mode: str, seqs: Sequence[SeqPlan]) -> list[int]:
+    """The state slots a batch must zero before its forward: those whose sequence starts from zeros
+    (`state_init` "zero"), except a prefill's sequences with nothing before them. Those never read
+    their slot (the recurrent layers start them from zeros) and every layer writes its final state
+    there, so zeroing it first is a pass over every layer's state for nothing (about 1 ms of a
+    512-token prefill of the medium NemotronH on 2 CPU cores)."""
+    return [
+        s.state_slot for s in seqs if s.state_init == "zero" and not (mode == "prefill" and s.prefix_len == 0)
+    ]

@@ -44,7 +44,7 @@ from himamba.services.worker.logprobs import plan_logit_rows, prompt_logprobs, s
 from himamba.services.worker.memory import plan_pools
 from himamba.services.worker.page_tables import PageTables
 from himamba.services.worker.pools import KVPool, StatePool
-from himamba.services.worker.runner import build_forward_batch
+from himamba.services.worker.runner import build_forward_batch, slots_to_zero
 from himamba.services.worker.sampler import sample
 from himamba.services.worker.step_threads import Choice, StepThreads
 
@@ -223,7 +223,7 @@ class WorkerService(Actor[ToWorker]):
     def _forward(self, msg: RunBatch, frames: list[Any]) -> tuple[BatchDone, list[torch.Tensor]]:
         batch, states = build_forward_batch(msg, frames, self.tables, self.state.num_slots, self.device)
         self.host.unwritten.check_batch(msg.seqs, states, self.page_size)  # before anything is written
-        zero = [s.state_slot for s in msg.seqs if s.state_init == "zero"]
+        zero = slots_to_zero(msg.mode, msg.seqs)
         if zero:
             self.state.zero(torch.tensor(zero, dtype=torch.int64, device=self.device))
         copies = [(s.state_src, s.state_slot) for s in msg.seqs if s.state_init == "copy"]

@@ -206,15 +206,21 @@ def assert_host_round_trip_continues(model: HybridModel) -> None:
 
 
 def assert_fresh_sequence_ignores_its_slot(model: HybridModel) -> None:
-    """A sequence with no cached prefix never reads what its state slot held."""
+    """A sequence with no cached prefix never reads what its state slot held, and its prefill
+    overwrites all of it (the worker does not zero such a slot first): the next decode step reads
+    only what the prefill wrote."""
     ids = prompt(model.vocab_size, 10, seed=6)
     clean = Harness(model)
-    expected = clean.prefill([clean.new_sequence()], [ids])
+    clean_seq = clean.new_sequence()
+    expected = clean.prefill([clean_seq], [ids])
     dirty = Harness(model)
     for layer in dirty.state.tensors:
         for t in layer.values():
             t.fill_(3.0)
-    torch.testing.assert_close(dirty.prefill([dirty.new_sequence()], [ids]), expected)
+    dirty_seq = dirty.new_sequence()
+    torch.testing.assert_close(dirty.prefill([dirty_seq], [ids]), expected)
+    next_token = int(expected[0].argmax())
+    torch.testing.assert_close(dirty.decode([dirty_seq], [next_token]), clean.decode([clean_seq], [next_token]))
 
 
 CACHE_CHECKS = (
