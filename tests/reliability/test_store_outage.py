@@ -59,9 +59,15 @@ def test_store_killed_mid_load_then_back(
     )
     try:
         # The store serves: turns that no longer fit the device and host tiers come back from it.
-        before = _two_turns(
-            server.endpoint, port, Conversations(12, seed=1), reference_tokens
-        )
+        # Until a second turn has hit it (bounded): on a loaded machine one pair of turns may find
+        # every prefix still on the faster tiers (seen once in a full run; 3 of 3 alone hit at once).
+        deadline = time.monotonic() + 120
+        seed, before = 1, 0
+        while before == 0 and time.monotonic() < deadline:
+            before = _two_turns(
+                server.endpoint, port, Conversations(12, seed=seed), reference_tokens
+            )
+            seed += 100
         assert before > 0, "no storage hit while the store was up"
         series = scrape_storage(port)
         assert series.up == 1 and series.backup_bytes["kv"] > 0 and series.backup_bytes["mamba"] > 0, series
