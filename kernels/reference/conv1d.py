@@ -60,7 +60,7 @@ def causal_conv1d(
         raise ValueError(
             f"initial_state must be [B={batch}, D={channels}, K-1={width - 1}], got {tuple(initial_state.shape)}"
         )
-    # Lower precisions keep F.conv1d: the time-major taps would round after every multiply-add.
+    # Lower precisions keep F.conv1d, the path their parity was measured on.
     if x.stride(1) == 1 and length > 1 and weight.dtype == torch.float32:
         return _causal_conv1d_time_major(x, weight, bias, initial_state, activation)
     padded = torch.cat([initial_state.to(weight.dtype), x.to(weight.dtype)], dim=-1)  # [B, D, K-1+L]
