@@ -48,6 +48,18 @@ def _two_turns(endpoint: str, port: int, convs: Conversations, reference_tokens)
     return storage_hits(outs)
 
 
+def _two_turns_until_a_hit(endpoint: str, port: int, seeds: range, reference_tokens) -> int:  # type: ignore[no-untyped-def]
+    """`_two_turns` of fresh conversations (one seed each) until a second turn hits the store, for at
+    most 120 s; returns the last pair's storage tokens (0: none hit)."""
+    deadline = time.monotonic() + 120
+    hits = 0
+    for seed in seeds:
+        if hits or time.monotonic() >= deadline:
+            break
+        hits = _two_turns(endpoint, port, Conversations(12, seed=seed), reference_tokens)
+    return hits
+
+
 @pytest.mark.parametrize("kind", STORE_KINDS)
 def test_store_killed_mid_load_then_back(
     kind, tiny_model, server_logs, reference_tokens, tmp_path
@@ -59,15 +71,9 @@ def test_store_killed_mid_load_then_back(
     )
     try:
         # The store serves: turns that no longer fit the device and host tiers come back from it.
-        # Until a second turn has hit it (bounded): on a loaded machine one pair of turns may find
-        # every prefix still on the faster tiers (seen once in a full run; 3 of 3 alone hit at once).
-        deadline = time.monotonic() + 120
-        seed, before = 1, 0
-        while before == 0 and time.monotonic() < deadline:
-            before = _two_turns(
-                server.endpoint, port, Conversations(12, seed=seed), reference_tokens
-            )
-            seed += 100
+        # Until a second turn has hit it: on a loaded machine one pair of turns may find every
+        # prefix still on the faster tiers (seen once in a full run; 3 of 3 alone hit at once).
+        before = _two_turns_until_a_hit(server.endpoint, port, range(1, 10_000, 100), reference_tokens)
         assert before > 0, "no storage hit while the store was up"
         series = scrape_storage(port)
         assert series.up == 1 and series.backup_bytes["kv"] > 0 and series.backup_bytes["mamba"] > 0, series
@@ -97,13 +103,7 @@ def test_store_killed_mid_load_then_back(
 
         # Back on the same address (empty): without a restart of himamba, hits resume.
         store.start()
-        deadline = time.monotonic() + 120
-        seed, after = 10, 0
-        while after == 0 and time.monotonic() < deadline:
-            after = _two_turns(
-                server.endpoint, port, Conversations(12, seed=seed), reference_tokens
-            )
-            seed += 1
+        after = _two_turns_until_a_hit(server.endpoint, port, range(10, 100), reference_tokens)
         assert after > 0, "storage hits did not resume after the store came back"
         series = wait_metrics(
             port,
