@@ -380,8 +380,14 @@ class HFEngine:
     """transformers' model with its own cache; greedy argmax on the last position's logits."""
 
     def __init__(self, model_dir: Path, dtype: torch.dtype) -> None:
-        from transformers import AutoModelForCausalLM
-
+        # The bench's reference only (a test extra): the server never imports transformers.
+        try:
+            from transformers import AutoModelForCausalLM
+        except ImportError as e:
+            raise PeerError(
+                f"transformers, the reference engine of this bench, is not installed ({e}): "
+                "pip install 'himamba[test]', or pass --no-reference"
+            ) from None
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         self.model.eval()
         self.cache: Any = None

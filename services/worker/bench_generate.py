@@ -164,7 +164,8 @@ class _FirstTokenTime:
 
 
 class PeerError(RuntimeError):
-    """The peer engine's process failed; the message carries the end of its stderr."""
+    """An engine compared against cannot run: a peer's process failed (the message carries the end
+    of its stderr), or transformers, the reference, is not installed."""
 
 
 class VLLMPeer:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,19 @@ def test_main_ends_with_one_json_line(checkpoint: Path, capsys: pytest.CaptureFi
     summary = json.loads(last)
     assert summary["bench"] == "forward" and summary["machine"]["torch_threads"] == 1
     assert [r["hf_tok_s"] for r in summary["rows"]] == [None, None]
+
+
+def test_without_transformers_the_reference_is_an_error_naming_the_way_out(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what `import transformers` sees when absent
+    argv = ["--checkpoint", str(checkpoint), "--prompt-lens", "8", "--batches", "2", "--context", "16"]
+    argv += ["--repeats", "1", "--decode-steps", "1", "--threads", "1", "--no-phases", "--gen-batches", "1"]
+    argv += ["--gen-prompt-lens", "8", "--gen-prompt", "8", "--gen-tokens", "2", "--gen-runs", "1"]
+    assert main([*argv, "--omp-wait-policy", "inherit"]) == 1
+    err = capsys.readouterr().err
+    assert "transformers" in err and "--no-reference" in err and "Traceback" not in err
+    assert main([*argv, "--no-reference", "--omp-wait-policy", "inherit"]) == 0  # ours alone still runs
 
 
 def test_bad_arguments_are_rejected(checkpoint: Path) -> None:
