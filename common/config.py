@@ -110,9 +110,10 @@ class ModelConfig(_Section):
     adaptive_threads: Annotated[
         bool,
         doc(
-            "On the CPU, run each small step (up to 16 tokens: small-batch decode) on one thread or on all of "
-            "torch_threads, whichever its measured step times favour: waking sleeping threads for every op "
-            "of a small-batch decode step can cost more than the second thread gains."
+            "On the CPU, run each small step (up to 16 tokens: small-batch decode) on all of torch_threads, on "
+            "one thread, or on one thread with the vocabulary head on all, whichever its measured step times "
+            "favour: waking sleeping threads for every op of a small-batch decode step can cost more than the "
+            "second thread gains."
         ),
     ] = True
     omp_spin: Annotated[

@@ -351,10 +351,11 @@ class OurEngine:
         frames = [tensor_frame(ids_t), tensor_frame(pages_t)]
 
         # The worker's per-step thread choice; afterwards transformers (in this process) gets every thread.
-        with self.threads.step(len(ids)) if self.threads is not None else contextlib.nullcontext():
+        with self.threads.step(len(ids)) if self.threads is not None else contextlib.nullcontext() as plan:
             t0 = time.perf_counter()
             with torch.inference_mode():
                 batch, states = build_forward_batch(msg, frames, self.tables, self.state.num_slots, self.device)
+                batch.head_threads = plan.head_threads if plan is not None else None
                 zero = slots_to_zero(mode, plans)
                 if zero:
                     self.state.zero(torch.tensor(zero, dtype=torch.int64))

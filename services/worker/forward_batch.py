@@ -46,6 +46,8 @@ class ForwardBatch:
     # Indices into T of the rows whose logits the model returns; None: each sequence's last
     # new token (`last_token_index`). Set for prompt logprobs (worker/logprobs.py).
     logit_rows: torch.Tensor | None = None
+    # Torch threads the vocabulary head runs on (None: the step's); see worker/step_threads.py.
+    head_threads: int | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -211,17 +211,20 @@ class WorkerService(Actor[ToWorker]):
     def forward(self, msg: RunBatch, frames: list[Any]) -> tuple[BatchDone, list[torch.Tensor]]:
         """One step on the thread count `StepThreads` picks for its size (on the CPU)."""
         if self.threads is None:
-            return self._forward(msg, frames)
-        with self.threads.step(sum(s.new_len for s in msg.seqs)):
-            return self._forward(msg, frames)
+            return self._forward(msg, frames, None)
+        with self.threads.step(sum(s.new_len for s in msg.seqs)) as plan:
+            return self._forward(msg, frames, plan.head_threads)
 
     def _log_thread_choice(self, choice: Choice) -> None:
         # A size class's first pick is news; later flips follow the load.
         self.log.log(logging.INFO if choice.first else logging.DEBUG, "%s", choice.describe())
 
     @torch.inference_mode()
-    def _forward(self, msg: RunBatch, frames: list[Any]) -> tuple[BatchDone, list[torch.Tensor]]:
+    def _forward(
+        self, msg: RunBatch, frames: list[Any], head_threads: int | None
+    ) -> tuple[BatchDone, list[torch.Tensor]]:
         batch, states = build_forward_batch(msg, frames, self.tables, self.state.num_slots, self.device)
+        batch.head_threads = head_threads
         self.host.unwritten.check_batch(msg.seqs, states, self.page_size)  # before anything is written
         zero = slots_to_zero(msg.mode, msg.seqs)
         if zero:

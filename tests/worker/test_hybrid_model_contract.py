@@ -61,3 +61,39 @@ def test_malformed_batches_are_rejected(models: dict, field: str, value: object,
     setattr(batch, field, value)
     with pytest.raises(ValueError, match=message):
         models["nemotron_h"].forward(batch, harness.kv, harness.state)
+
+
+def test_the_vocabulary_head_runs_on_the_batchs_head_threads(models: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-thread step may run its head on more threads (worker/step_threads.py): the head sees
+    that count, the layers and the caller keep theirs, and the logits are the same."""
+    model = models["nemotron_h"]
+    seen: list[tuple[str, int]] = []
+    head_forward, layer_step = type(model.lm_head).forward, type(model.stack.layers[0]).step
+
+    def head(self, hidden):  # type: ignore[no-untyped-def]
+        seen.append(("head", torch.get_num_threads()))
+        return head_forward(self, hidden)
+
+    def layer(self, *args):  # type: ignore[no-untyped-def]
+        seen.append(("layer", torch.get_num_threads()))
+        return layer_step(self, *args)
+
+    monkeypatch.setattr(type(model.lm_head), "forward", head)
+    monkeypatch.setattr(type(model.stack.layers[0]), "step", layer)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        harness = Harness(model)
+        plain = model.forward(_one_token_prefill(harness), harness.kv, harness.state)
+        seen.clear()
+        harness = Harness(model)
+        batch = _one_token_prefill(harness)
+        batch.head_threads = 2
+        wide = model.forward(batch, harness.kv, harness.state)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert {t for kind, t in seen if kind == "layer"} == {1}
+    assert [t for kind, t in seen if kind == "head"] == [2]
+    torch.testing.assert_close(wide, plain, rtol=1e-6, atol=1e-6)
+

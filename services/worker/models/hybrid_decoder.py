@@ -23,6 +23,7 @@ from himamba.services.worker.models.batch_checks import check_batch
 from himamba.services.worker.models.expert_weights import merge_expert_weights, stacked_row
 from himamba.services.worker.models.weight_loading import WeightTarget, load_named_weights
 from himamba.services.worker.pools import KVPool, KVSpec, StateComponent, StatePool, StateSpec
+from himamba.services.worker.step_threads import threads_for
 
 
 class RecurrentMixer(Protocol):
@@ -230,7 +231,8 @@ class HybridDecoderLM(nn.Module):
             h = self.run_layers(self.embed(batch.input_ids), batch, kv, state)
             rows = batch.last_token_index if batch.logit_rows is None else batch.logit_rows
             last = h.index_select(0, rows.to(h.device))
-            return self.logits(last)
+            with threads_for(batch.head_threads):
+                return self.logits(last)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.stack.embedding()(input_ids)
