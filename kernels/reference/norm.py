@@ -24,6 +24,21 @@ def _normalize(x32: Tensor, eps: float) -> Tensor:
     return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
+# From this many elements on (prefill rows), a float32 norm takes its mean square from one
+# reduction (`_inverse_rms`) instead of squaring into a temporary and averaging it: one pass and
+# one parallel op fewer, and each parallel op wakes the sleeping OpenMP threads. On a 2-core AMD EPYC, 2 threads,
+# passive waits: [512, 512] 98 -> 77 us; a NemotronH prefill of 512 tokens 1.026x, of 2048 tokens
+# 1.011x (A/B in one process). The mean square then differs from transformers' pow().mean() in
+# the last bits; below it (decode rows), where F.rms_norm's single call is faster, it is bit-identical.
+_ONE_REDUCTION_MIN_NUMEL = 1 << 15
+
+
+def _inverse_rms(x32: Tensor, eps: float) -> Tensor:
+    """[..., 1] 1 / sqrt(mean(x^2) + eps) over the last dim of a float32 tensor."""
+    norm = torch.linalg.vector_norm(x32, dim=-1, keepdim=True)
+    return norm.square_().div_(x32.shape[-1]).add_(eps).rsqrt_()
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float, multiply_in_float32: bool = False) -> Tensor:
     """RMSNorm over the last dim of x [..., D]; returns x's dtype.
 
@@ -33,6 +48,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, multiply_in_float32: bool = 
     """
     _check_weight(x, weight)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        if x.numel() >= _ONE_REDUCTION_MIN_NUMEL:
+            return (x * _inverse_rms(x, eps)).mul_(weight)
         # The same arithmetic in one ATen call (x * rsqrt(mean(x^2) + eps) * weight): bit-identical.
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     normed = _normalize(x.float(), eps)
@@ -60,6 +77,8 @@ def gated_rms_norm(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, g
         u = F.silu(gate.float()).mul_(x)
     grouped = u.reshape(*x.shape[:-1], width // group_size, group_size)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        if x.numel() >= _ONE_REDUCTION_MIN_NUMEL:
+            return (grouped * _inverse_rms(grouped, eps)).view(x.shape).mul_(weight)
         return F.rms_norm(grouped, (group_size,), None, eps).view(x.shape).mul_(weight)
     normed = _normalize(grouped, eps).reshape(x.shape)
     return (weight * normed.to(x.dtype)).to(x.dtype)

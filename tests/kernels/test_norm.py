@@ -26,7 +26,7 @@ def naive_gated(
     return weight.double() * out
 
 
-@pytest.mark.parametrize("shape", [(1, 8), (7, 64), (2, 3, 48)])
+@pytest.mark.parametrize("shape", [(1, 8), (7, 64), (2, 3, 48), (128, 512)])  # the last: one-reduction form
 @pytest.mark.parametrize("multiply_in_float32", [False, True])
 def test_rms_norm_matches_formula(shape: tuple[int, ...], multiply_in_float32: bool) -> None:
     g = torch.Generator().manual_seed(len(shape))
@@ -60,7 +60,7 @@ def test_rms_norm_rounding_point_in_bfloat16() -> None:
     assert torch.equal(nemotron, float32_product)
 
 
-@pytest.mark.parametrize("width,group", [(16, 16), (48, 16), (64, 8), (30, 5)])
+@pytest.mark.parametrize("width,group", [(16, 16), (48, 16), (64, 8), (30, 5), (4096, 512)])
 @pytest.mark.parametrize("use_gate", [True, False])
 def test_gated_rms_norm_matches_formula(width: int, group: int, use_gate: bool) -> None:
     g = torch.Generator().manual_seed(width + group)
