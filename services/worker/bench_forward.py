@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -38,6 +37,7 @@ from typing import Any, TextIO
 import torch
 
 from himamba.common.config import Config
+from himamba.common.machine_info import cpu_model, vector_extensions
 from himamba.common.messages import RunBatch, SeqPlan
 from himamba.common.openmp_wait import USER_VARIABLES as OPENMP_WAIT_VARIABLES
 from himamba.common.openmp_wait import describe_openmp_wait, openmp_wait_env
@@ -83,22 +83,12 @@ class Machine:
     torch_threads: int
     device: str
     cpu: str
+    vector_extensions: str  # machine_info.vector_extensions(): AVX2 / AVX-512 / AMX, NEON / SVE
     torch_version: str
     omp_wait_policy: str  # how idle OpenMP threads waited in this run (describe_openmp_wait)
     heap_reuse: str  # what reuse_heap did for this process (ours and transformers), as the worker does
     matmul_flops_per_s: float  # in the bench dtype
     copy_bytes_per_s: float  # bytes read + written per second
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _median_time(fn: Callable[[], Any], repeats: int) -> float:
@@ -126,7 +116,8 @@ def probe_machine(dtype: torch.dtype, threads: int, heap_reuse: str = "off") -> 
         cores=os.cpu_count() or 1,
         torch_threads=threads,
         device="cpu",
-        cpu=_cpu_name(),
+        cpu=cpu_model(),
+        vector_extensions=vector_extensions(),
         torch_version=torch.__version__,
         omp_wait_policy=describe_openmp_wait(os.environ),
         heap_reuse=heap_reuse,
@@ -787,7 +778,8 @@ def _print_table(
     gflops = machine.matmul_flops_per_s / 1e9
     gbs = machine.copy_bytes_per_s / 1e9
     out.write(
-        f"machine: {machine.cpu}; {machine.cores} cores, torch threads {machine.torch_threads}, "
+        f"machine: {machine.cpu} ({machine.vector_extensions or 'vector extensions unknown'}); "
+        f"{machine.cores} cores, torch threads {machine.torch_threads}, "
         f"device {machine.device}, torch {machine.torch_version}, OpenMP waits: {machine.omp_wait_policy}, "
         f"heap reuse: {machine.heap_reuse}\n"
         f"limits (median of 3 probes): matmul {gflops:.1f} GFLOP/s ({opts.dtype}), "
