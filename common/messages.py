@@ -179,6 +179,9 @@ class SeqPlan(msgspec.Struct, frozen=True, array_like=True):
     # `prefix_len` (served from cache); the worker counts every token it is fed after them.
     history: list[int] = []
     num_prompt: int = 0  # context[:num_prompt] is the prompt
+    # In a batch that `follows` another: the sequence leaves this step if the token it sampled
+    # there is one of these (its stop tokens).
+    stop_ids: list[int] = []
 
 
 class Transfer(msgspec.Struct, frozen=True, array_like=True):
@@ -197,6 +200,11 @@ class RunBatch(Message):
 
     Frames: input_ids [T] int64, pages [sum(num_new_pages)] int64. Transfers run before the forward;
     `dropped` sequences (finished or retracted) lose their page tables first.
+
+    A decode step sent before the results of the step it continues sets `follows` to that step's
+    batch id: each sequence is fed the token it sampled there (`input_ids` is empty), and leaves
+    the step (`BatchDone.left_out`) when that token is one of its `stop_ids` or its sampling failed
+    there. If that step failed, or is not the worker's last one, this one fails without a forward.
     """
 
     batch_id: int
@@ -207,6 +215,7 @@ class RunBatch(Message):
     transfers: list[Transfer] = []
     dropped: list[str] = []
     return_logits: bool = False
+    follows: int = -1  # the batch whose sampled tokens are the inputs; -1: `input_ids` holds them
 
 
 class ResetState(Message):
@@ -236,6 +245,9 @@ class BatchDone(Message):
     logits: TensorRef | None = None  # [B, V] float32 when return_logits
     error: str = ""  # the whole batch failed
     seq_errors: dict[int, str] = {}  # seq index -> why that sequence alone failed (its batch-mates did not)
+    # Of a batch that `follows` another: the sequences (rids, in batch order) that left it before
+    # the forward; every seq index above counts only the sequences that ran.
+    left_out: list[str] = []
 
 
 class WorkerInfo(Message):

@@ -3,9 +3,10 @@
 The real scheduler and cache controller run as processes (as under `himamba serve`) against a
 stand-in worker in this process that answers every RunBatch after a fixed "forward" time, with no
 model. A decode step's serial scheduler time is what a GPU would sit idle for between two steps:
-from the moment the stand-in sends BatchDone to the moment the next RunBatch arrives (the
-stand-in's own time is outside that window; the cache round trip the scheduler overlaps with the
-forward is inside it only where it outlasts the forward). For running requests x context in
+from the moment the stand-in sends BatchDone to the moment it has the next RunBatch (the
+stand-in's own time is outside that window). At steady decode the scheduler sends each step
+while the one before runs (scheduler/decode_ahead.py), so the window holds only what of its
+per-step work outlasts the forward; its whole per-step work is the "sched CPU" column. For running requests x context in
 {32, 256} x {2k, 32k} (and 256 x 2k with a repetition penalty) it prints that time per step (ms
 and us per running request), the scheduler's and the cache controller's CPU per step (from
 /proc), and RunBatch bytes per step. JSON: `serial_ms_per_step` keyed like "256x32768".
@@ -46,6 +47,7 @@ from himamba.common.types import SamplingParams
 from himamba.common.wire import Decoder
 from himamba.common.wire import encode as encode_msg
 from himamba.services.bench.servers import himamba_command, unique_endpoints
+from himamba.services.worker.follow_on import FollowError, LastSampled, Resolved, resolve, sampled
 
 PAGE = 16
 # Token ids below 256 are Python's cached small ints: 256 x 32k-token prompts then cost the
@@ -120,6 +122,27 @@ class StandInWorker(threading.Thread):
         self.bytes: list[int] = []
         self.decode_steps = 0  # full decode steps seen (all `running` requests in the batch)
         self.last_done_at: float | None = None
+        self.last: LastSampled | None = None  # the inputs of a step that follows the last one
+
+    def follow_on(self, msg: RunBatch, frames: list[Any]) -> Resolved | None:
+        """A step that `follows` the last one, as the worker runs it (services/worker/follow_on.py);
+        None after answering it failed (it follows a failed or another step)."""
+        try:
+            return resolve(msg, frames, self.last)
+        except FollowError as e:
+            self.last = None
+            self._send("scheduler", BatchDone(batch_id=msg.batch_id, next_tokens=[], error=str(e)))
+            if msg.transfers:
+                self._send("cache", TransfersDone(op_ids=[t.op_id for t in msg.transfers]))
+            return None
+
+    def done(self, msg: RunBatch, tokens: list[int], left_out: list[str]) -> None:
+        """Answer `msg` (as resolved) with `tokens`; acknowledge its copies."""
+        done = BatchDone(batch_id=msg.batch_id, next_tokens=tokens, left_out=left_out)
+        self.last = sampled(msg, done)
+        self._send("scheduler", done)
+        if msg.transfers:
+            self._send("cache", TransfersDone(op_ids=[t.op_id for t in msg.transfers]))
 
     def _send(self, peer: str, msg: Any) -> None:
         self.out[peer].send_multipart(encode_msg(msg))
@@ -140,6 +163,12 @@ class StandInWorker(threading.Thread):
                     self._on_batch(msg, frames, arrived)
 
     def _on_batch(self, msg: RunBatch, frames: list[Any], arrived: float) -> None:
+        left_out: list[str] = []
+        if msg.follows >= 0:
+            resolved = self.follow_on(msg, frames[1:])  # the header is frames[0]
+            if resolved is None:
+                return
+            msg, _, left_out = resolved
         full_decode = msg.mode == "decode" and len(msg.seqs) == self.running
         if full_decode:
             self.decode_steps += 1
@@ -150,12 +179,9 @@ class StandInWorker(threading.Thread):
             deadline = arrived + self.forward_s
             while time.perf_counter() < deadline:  # the "forward" (a sleep would oversleep)
                 pass
-        done = BatchDone(batch_id=msg.batch_id, next_tokens=[1] * len(msg.seqs))
         # Stamped before the send: a stand-in thread preempted after sending would shorten the gap.
         self.last_done_at = time.perf_counter() if full_decode else None
-        self._send("scheduler", done)
-        if msg.transfers:
-            self._send("cache", TransfersDone(op_ids=[t.op_id for t in msg.transfers]))
+        self.done(msg, [1] * len(msg.seqs), left_out)
 
     def close(self) -> None:
         self.stop_flag.set()

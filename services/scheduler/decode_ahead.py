@@ -1,17 +1,22 @@
-"""The next decode step, built while the current one runs, and sent the moment its results arrive.
+"""The next decode step, built while the current one runs, and sent before its results arrive.
 
 At steady decode the next step is the current one again, one token further: the same requests,
 each fed the token it just sampled. So while the worker computes step N the scheduler builds step
-N+1's plans (`prebuild`), and when N's BatchDone arrives it sends N+1 at once (`continue_with`)
-and only then turns N's tokens into outputs, captures into inserts, and so on. The worker's
-idle time between two forwards is then the wake-up and one send, not the per-request work.
+N+1 (`prebuild`) and sends it at once (`follow`): a RunBatch that `follows` N, whose tokens the
+worker fills in from N's results (services/worker/follow_on.py), so it starts N+1 the moment N
+ends instead of waiting for the scheduler's round trip. The scheduler then waits for N's tokens
+and turns them into outputs, captures into inserts, and so on, while N+1 runs.
 
-Only what N's tokens decide is left for the moment they arrive: which requests stop (a stop
-token, checked exactly by `check_stop`; lengths, aborts and failed sequences are known before).
-Those leave step N+1 before it is sent, so a request is never finished (its memory released,
-its state given to the tree) while a step that still writes it is in flight. Anything else that
-would change step N+1 (an admission, a missing page or boundary slot, a peer restart) means no
-prebuilt step, and the scheduler builds step N+1 the usual way after N's results.
+Only what N's tokens decide is unknown when N+1 leaves: which requests stop (a stop token). Each
+sequence carries its stop tokens (`SeqPlan.stop_ids`: its EOS unless `ignore_eos`, and its
+`stop_token_ids`, the token tests of `check_stop`); the worker leaves out of N+1 every sequence
+whose token is one of them or whose sampling failed in N, and `ran` reaches the same answer from
+the same results. So a request is never finished (its memory released, its state given to the
+tree) while a step that still writes it is in flight. Requests that end by length with N's token,
+and those leaving (aborted or stopped) when N+1 is sent, are not in it; one that leaves later
+runs N+1 and is reaped after it. Anything else that would change step N+1 (an admission, a
+missing page or boundary slot, a peer restart) means no prebuilt step, and the scheduler builds
+step N+1 the usual way after N's results.
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ from himamba.common.wire import IntsFrame
 from himamba.services.scheduler import captures, mamba_track
 from himamba.services.scheduler.batching import BatchPlan
 from himamba.services.scheduler.request import Req
-from himamba.services.scheduler.stop import check_stop
 from himamba.services.scheduler.worker_batch import NO_CAPTURES, PAGES_CLEAN
 
 
@@ -35,18 +39,26 @@ class Ahead(NamedTuple):
     caps: dict[str, list[captures.Capture]]
     # seq index -> the page-table entries it sends (its `page_start:` slice of `req.pages`)
     page_deltas: dict[int, list[int]]
-    stop_ids: frozenset[int]  # every token that may stop one of the requests
     ends: frozenset[int]  # seq indices that end by length with step N's token
 
 
-class Continued(NamedTuple):
-    """Step N+1 as sent: its plan, message and frames, and the requests N's tokens removed."""
+class Following(NamedTuple):
+    """Step N+1 as sent before N's results: its plan (every request that may run it), message,
+    frames and captures, and step N's plan (whose tokens it reads)."""
 
     plan: BatchPlan
     msg: RunBatch
     frames: list[IntsFrame]
     caps: dict[str, list[captures.Capture]]
-    left: frozenset[int]  # indices into the prebuilt plan of the requests that are not in it
+    follows: BatchPlan
+
+
+class Ran(NamedTuple):
+    """What of a `Following` step the worker runs, once the tokens of the step it follows are in."""
+
+    plan: BatchPlan  # the requests that run it, in batch order
+    caps: dict[str, list[captures.Capture]]
+    left_out: tuple[str, ...]  # the rids the worker leaves out (BatchDone.left_out), in batch order
 
 
 def prebuild(
@@ -63,7 +75,6 @@ def prebuild(
     seqs: list[SeqPlan] = []
     caps: dict[str, list[captures.Capture]] = {}
     deltas: dict[int, list[int]] = {}
-    stop_sets: dict[int, frozenset[int]] = {}
     ends: list[int] = []
     for i, (req, _) in enumerate(plan.items):
         if req.status != "running" or req.table_reset:
@@ -74,11 +85,6 @@ def prebuild(
             return None  # the overlap window did not get its page: the usual path retracts or waits
         if num_output >= req.max_tokens or len(req.prompt_ids) + num_output >= max_context_len:
             ends.append(i)
-        sampling = req.sampling
-        if not sampling.ignore_eos and req.eos_ids:
-            stop_sets[id(req.eos_ids)] = req.eos_ids
-        if sampling.stop_token_ids:
-            stop_sets[id(sampling.stop_token_ids)] = frozenset(sampling.stop_token_ids)
         found: list[captures.Capture] = []
         if req.pending_captures or (start + 1) % interval == 0:
             if mamba_track.is_boundary(start + 1, interval) and mamba_track.needs_boundary_slot(req, strategy):
@@ -105,64 +111,70 @@ def prebuild(
                 False,
                 page_start,
                 num_pages - page_start,
+                stop_ids=req.stop_ids,
             )
         )
-    stop_ids = frozenset().union(*stop_sets.values()) if stop_sets else frozenset()
-    return Ahead(plan, seqs, caps, deltas, stop_ids, frozenset(ends))
+    return Ahead(plan, seqs, caps, deltas, frozenset(ends))
 
 
-def continue_with(
+def follow(
     ahead: Ahead,
-    done: BatchDone,
     batch_id: int,
+    follows: int,
     leaving: set[str],
-    max_context_len: int,
     transfers: list[Transfer],
     dropped: list[str],
-) -> Continued | None:
-    """Step N+1 now that step N's tokens are in: without the requests that stop with them, that
-    failed, or that are `leaving` (aborted or stopped since). None when step N failed."""
-    if done.error or len(done.next_tokens) != len(ahead.seqs):
-        return None
-    tokens = done.next_tokens
-    left = set(ahead.ends)
-    if done.seq_errors:
-        left.update(done.seq_errors)
+) -> Following | None:
+    """Step N+1 to send now, before step N (batch `follows`) has answered: without the requests
+    that end by length with N's token or are `leaving`. None when no request is left."""
     items = ahead.plan.items
-    if leaving:
-        left.update(i for i, (req, _) in enumerate(items) if req.rid in leaving)
-    if ahead.stop_ids and not ahead.stop_ids.isdisjoint(tokens):
-        for i, token in enumerate(tokens):
-            if token in ahead.stop_ids:
-                req = items[i][0]
-                num_output = len(req.output_ids) + 1
-                if check_stop(req, token, num_output, len(req.prompt_ids) + num_output, max_context_len):
-                    left.add(i)
-    if left:
-        keep = [i for i in range(len(items)) if i not in left]
-        if not keep:
-            return None
-        plan = BatchPlan("decode", [items[i] for i in keep])
-        seqs = [ahead.seqs[i] for i in keep]
-        ids = [tokens[i] for i in keep]
-        caps = {rid: c for rid, c in ahead.caps.items() if not any(items[i][0].rid == rid for i in left)}
-    else:
-        plan, seqs, ids, caps = ahead.plan, ahead.seqs, tokens, ahead.caps
+    keep = [i for i, (req, _) in enumerate(items) if i not in ahead.ends and req.rid not in leaving]
+    if not keep:
+        return None
     pages: list[int] = []
-    for i, delta in ahead.page_deltas.items():  # dict order is seq order
-        if i not in left:
+    for i in keep:  # the page deltas in seq order, as the worker slices them
+        delta = ahead.page_deltas.get(i)
+        if delta is not None:
             pages.extend(delta)
             req = items[i][0]
             req.pages_sent = len(req.pages)
             req.pages_dirty = PAGES_CLEAN
-    ids_f, pages_f = IntsFrame(ids), IntsFrame(pages)
+    if len(keep) == len(items):
+        plan, seqs, caps = ahead.plan, ahead.seqs, ahead.caps
+    else:
+        plan = BatchPlan("decode", [items[i] for i in keep])
+        seqs = [ahead.seqs[i] for i in keep]
+        rids = {req.rid for req, _ in plan.items}
+        caps = {rid: c for rid, c in ahead.caps.items() if rid in rids}
+    pages_f = IntsFrame(pages)
     msg = RunBatch(
         batch_id=batch_id,
         mode="decode",
         seqs=seqs,
-        input_ids=ids_f.ref(0),
-        pages=pages_f.ref(1),
+        pages=pages_f.ref(0),
         transfers=transfers,
         dropped=dropped,
+        follows=follows,
     )
-    return Continued(plan, msg, [ids_f, pages_f], caps, frozenset(left))
+    return Following(plan, msg, [pages_f], caps, ahead.plan)
+
+
+def ran(sent: Following, done: BatchDone) -> Ran:
+    """The requests of `sent` that run it, now that `done` (the step it follows, which did not
+    fail as a whole) is in: the others' token stops them, or their sampling failed."""
+    tokens = {
+        req.rid: t
+        for i, ((req, _), t) in enumerate(zip(sent.follows.items, done.next_tokens))
+        if i not in done.seq_errors
+    }
+    keep, left = [], []
+    for item, seq in zip(sent.plan.items, sent.msg.seqs, strict=True):
+        token = tokens.get(seq.rid)
+        if token is None or token in seq.stop_ids:
+            left.append(seq.rid)
+        else:
+            keep.append(item)
+    if not left:
+        return Ran(sent.plan, sent.caps, ())
+    rids = {req.rid for req, _ in keep}
+    return Ran(BatchPlan("decode", keep), {rid: c for rid, c in sent.caps.items() if rid in rids}, tuple(left))

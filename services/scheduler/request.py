@@ -65,10 +65,19 @@ class Req:
     stop_requested: bool = False
     num_retractions: int = 0
     first_token_time: float | None = None
+    # The tokens that stop it: `check_stop`'s token tests, for the worker to apply to a token the
+    # scheduler has not seen yet (decode_ahead.py). Fixed for the request's life.
+    stop_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        stops = set() if self.sampling.ignore_eos else set(self.eos_ids)
+        stops.update(self.sampling.stop_token_ids or ())
+        self.stop_ids = sorted(stops)
 
     @property
     def context(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
 
     @property
     def context_len(self) -> int:

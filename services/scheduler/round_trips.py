@@ -21,8 +21,9 @@ class WorkerRestarted(Exception):
 class Reply(Generic[R]):
     """An awaited answer: `await reply.wait()` gives the message and its frames."""
 
-    def __init__(self, fut: asyncio.Future[tuple[Any, list[Any]]]) -> None:
+    def __init__(self, fut: asyncio.Future[tuple[Any, list[Any]]], key: int = 0) -> None:
         self._fut = fut
+        self.key = key  # the batch or step id it answers
 
     async def wait(self) -> tuple[R, list[Any]]:
         return await self._fut
@@ -45,7 +46,7 @@ class RoundTrips:
         fut: asyncio.Future[tuple[Any, list[Any]]] = asyncio.get_running_loop().create_future()
         self._replies[key] = fut
         await outbox.send(msg, tensors or [])
-        return Reply(fut)
+        return Reply(fut, key)
 
     def resolve(self, key: int, msg: BatchDone | CacheStepDone, frames: list[Any]) -> None:
         fut = self._replies.pop(key, None)

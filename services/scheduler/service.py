@@ -95,10 +95,18 @@ def _let_the_send_go() -> None:
 class _Sent(NamedTuple):
     """A step sent before the previous one's results were handled (decode_ahead.py)."""
 
-    plan: BatchPlan
+    plan: BatchPlan  # the requests that run it
     reply: Reply[BatchDone]
     caps: dict[str, list[captures.Capture]]
     rids: frozenset[str]
+    left_out: tuple[str, ...]  # the requests the worker leaves out of it (BatchDone.left_out)
+
+
+class _Early(NamedTuple):
+    """A step sent while the one it follows runs, not yet told which of its requests run it."""
+
+    sent: decode_ahead.Following
+    reply: Reply[BatchDone]
 
 
 class SchedulerService(Actor[ToScheduler]):
@@ -275,11 +283,12 @@ class SchedulerService(Actor[ToScheduler]):
         step's RunBatch, not before it: the worker's idle time between two forwards is the
         scheduler's serial work, and encoding a few hundred TokenOuts is not needed to start the
         next forward. Every path that may wait flushes them first. At steady decode the next
-        step was built during this one and leaves the moment this one's tokens arrive, before
-        they are handled (decode_ahead.py)."""
+        step is built and sent while this one runs, and the worker starts it the moment this
+        one ends (decode_ahead.py)."""
         self._reap(self._outs)
-        if self._next is not None:  # sent the moment the previous step's tokens arrived
-            plan, reply, caps, _ = self._next
+        left_out: tuple[str, ...] | None = None
+        if self._next is not None:  # sent while the previous step ran
+            plan, reply, caps, _, left_out = self._next
             self._next = None
         else:
             cache_progress = False
@@ -301,34 +310,43 @@ class SchedulerService(Actor[ToScheduler]):
                 return cache_progress or bool(self.cache.pending_ops)
             reply, caps = await self._send_batch(plan)
         await self._flush()
-        ahead = None
+        early = None
         if self.overlap:
             # Prepare the next step (admissions, inserts, releases, pages) while the worker runs,
-            # then build the step after this one if it is this one again, a token further.
+            # then build the step after this one if it is this one again, a token further, and
+            # send it now: the worker starts it the moment this one ends.
             await self._cache_work(plan)
             ahead = decode_ahead.prebuild(
                 plan, self.running, self.strategy, self.interval, self.page_size, self.cfg.model.max_context_len
             )
+            if ahead is not None:
+                early = await self._send_following(ahead, reply.key)
         done, _ = await reply.wait()
-        if ahead is not None:
-            await self._send_ahead(ahead, done)
+        # Both sides decide from the same tokens which requests leave a following step.
+        assert left_out is None or done.error or tuple(done.left_out) == left_out, (done.left_out, left_out)
+        if early is not None:
+            if done.error:
+                # The worker refuses the step that follows a failed one; its requests end with this one.
+                self._on_batch_done(plan, done, self._outs, caps)
+                later, _ = await early.reply.wait()
+                self._on_batch_done(early.sent.plan, later, self._outs, early.sent.caps)
+                return True
+            ran = decode_ahead.ran(early.sent, done)
+            if ran.plan.items:
+                rids = frozenset(req.rid for req, _ in ran.plan.items)
+                self._next = _Sent(ran.plan, early.reply, ran.caps, rids, ran.left_out)
+            else:  # this step's tokens stop every one of them: the worker runs nothing
+                later, _ = await early.reply.wait()
+                assert later.error or tuple(later.left_out) == ran.left_out, (later.left_out, ran.left_out)
         self._on_batch_done(plan, done, self._outs, caps)
         return True
 
-    async def _send_ahead(self, ahead: decode_ahead.Ahead, done: BatchDone) -> None:
-        """Send the prebuilt next step now, without the requests `done`'s tokens end."""
+    async def _send_following(self, ahead: decode_ahead.Ahead, follows: int) -> _Early | None:
+        """Send the prebuilt next step now, as the step following batch `follows` (still running)."""
         batch_id = self.trips.next_id()
-        sent = decode_ahead.continue_with(
-            ahead,
-            done,
-            batch_id,
-            self._to_reap,
-            self.cfg.model.max_context_len,
-            self.cache.pending_transfers,
-            self._dropped,
-        )
+        sent = decode_ahead.follow(ahead, batch_id, follows, self._to_reap, self.cache.pending_transfers, self._dropped)
         if sent is None:
-            return
+            return None
         self.cache.pending_transfers, self._dropped = [], []
         self.last_mode = "decode"
         lost = self._peers_lost
@@ -336,8 +354,8 @@ class SchedulerService(Actor[ToScheduler]):
         _let_the_send_go()
         self.m[SCHEDULER_DECODE_STEPS_AHEAD].inc()
         if self._peers_lost != lost:
-            return  # a peer restarted while the send waited: its requests are waiting again
-        self._next = _Sent(sent.plan, reply, sent.caps, frozenset(req.rid for req, _ in sent.plan.items))
+            return None  # a peer restarted while the send waited: its requests are waiting again
+        return _Early(sent, reply)
 
     def _answer_unfittable_head(self, outs: list[TokenOut]) -> None:
         """Nothing runs, nothing is left to free, and the head was just refused: it can never fit.

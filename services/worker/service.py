@@ -36,6 +36,7 @@ from himamba.common.runtime_dir import instance_dir
 from himamba.common.transport import Outbox
 from himamba.common.wire import WireError, tensor_ref
 from himamba.services.actor import Actor
+from himamba.services.worker.follow_on import LastSampled, resolve, sampled
 from himamba.services.worker.grammar_masks import GrammarCompiler
 from himamba.services.worker.heap_reuse import reuse_heap
 from himamba.services.worker.host_transfer import CopyFaults, HostTransfer, host_layout
@@ -91,6 +92,7 @@ class WorkerService(Actor[ToWorker]):
             self.log.info("OpenMP idle threads: %s", describe_openmp_wait(os.environ))
         use_adaptive = cfg.model.adaptive_threads and self.device.type == "cpu"
         self.threads = StepThreads(torch.get_num_threads(), on_choice=self._log_thread_choice) if use_adaptive else None
+        self._last: LastSampled | None = None  # what the last step sampled: a following step's inputs
         model_dir = Path(cfg.model.model)
         t0 = time.perf_counter()
         self.model = load_model(model_dir, device=self.device, dtype=_DTYPES[cfg.model.dtype])
@@ -160,6 +162,7 @@ class WorkerService(Actor[ToWorker]):
                 else:
                     if service == "scheduler":
                         self.tables.clear()  # a new scheduler: its sequences start with fresh tables
+                        self._last = None  # and none of its steps follows ours
                     await peer.send(self.info)
             case Shutdown():
                 pass
@@ -178,12 +181,16 @@ class WorkerService(Actor[ToWorker]):
             if self.host.faults.fail_batch:
                 self.host.faults.fail_batch = False
                 raise RuntimeError("batch failed (debug_batch_fail_at_transfer)")
+            left_out: list[str] = []
+            if msg.follows >= 0:  # its tokens are the last step's (follow_on.py)
+                msg, frames, left_out = resolve(msg, frames, self._last)
             if msg.mode == "none" or not msg.seqs:
                 result = BatchDone(batch_id=msg.batch_id, next_tokens=[])
                 tensors: list[torch.Tensor] = []
             else:
                 result, tensors = self.forward(msg, frames)
         except (WireError, ValueError, IndexError, RuntimeError) as e:
+            self._last = None  # a step that follows this one fails too
             self.log.error("batch %d failed: %s", msg.batch_id, e)
             # The client sees no exception text (it may hold internals); the log has it.
             error = f"the forward failed ({type(e).__name__}; see the worker log)"
@@ -197,7 +204,9 @@ class WorkerService(Actor[ToWorker]):
             forward_s=time.perf_counter() - t0,
             logits=result.logits,
             seq_errors=result.seq_errors,
+            left_out=left_out,
         )
+        self._last = sampled(msg, result)
         await self.scheduler.send(result, tensors)
         self.m[WORKER_STEP_TIME].labels(mode=msg.mode).observe(time.perf_counter() - t0)
         self.m[WORKER_STEP_TOKENS].labels(mode=msg.mode).inc(sum(q.new_len for q in msg.seqs))

@@ -1,10 +1,13 @@
-"""The next decode step built during the current one (services/scheduler/decode_ahead.py): what
-it sends once the current step's tokens are in, and when it must not exist."""
+"""The next decode step built during the current one and sent before its results
+(services/scheduler/decode_ahead.py): what it sends, which of its requests run it once the current
+step's tokens are in (the same answer as the worker's, services/worker/follow_on.py), and when it
+must not exist."""
 
 from __future__ import annotations
 
 import copy
 
+import msgspec
 import pytest
 
 from himamba.common.messages import BatchDone, RunBatch
@@ -45,9 +48,12 @@ def _prebuild(reqs: list[Req], strategy: str = "extra_buffer") -> decode_ahead.A
     return decode_ahead.prebuild(_decode(reqs), reqs, strategy, INTERVAL, PAGE, MAX_CONTEXT)  # type: ignore[arg-type]
 
 
-def _continue(ahead: decode_ahead.Ahead, tokens: list[int], leaving: set[str] | None = None, **done: object):
-    msg = BatchDone(batch_id=1, next_tokens=tokens, **done)  # type: ignore[arg-type]
-    return decode_ahead.continue_with(ahead, msg, 7, leaving or set(), MAX_CONTEXT, [], [])
+def _follow(ahead: decode_ahead.Ahead, leaving: set[str] | None = None) -> decode_ahead.Following | None:
+    return decode_ahead.follow(ahead, 7, 1, leaving or set(), [], [])
+
+
+def _ran(sent: decode_ahead.Following, tokens: list[int], **done: object) -> decode_ahead.Ran:
+    return decode_ahead.ran(sent, BatchDone(batch_id=1, next_tokens=tokens, **done))  # type: ignore[arg-type]
 
 
 def _captures(reqs: list[Req], strategy: str) -> dict[str, list[captures.Capture]]:
@@ -77,8 +83,10 @@ def test_the_prebuilt_step_is_the_step_built_after_the_results(strategy: str) ->
     ahead = _prebuild(reqs, strategy)
     assert ahead is not None
     tokens = [60 + i for i in range(8)]
-    sent = _continue(ahead, tokens)
-    assert sent is not None and not sent.left
+    sent = _follow(ahead)
+    assert sent is not None and sent.msg.follows == 1 and sent.msg.input_ids is None
+    ran = _ran(sent, tokens)
+    assert ran.plan == sent.plan and not ran.left_out
     for r, token in zip(twins, tokens, strict=True):  # what handling step N's results does
         r.computed_len += 1
         r.output_ids.append(token)
@@ -89,10 +97,12 @@ def test_the_prebuilt_step_is_the_step_built_after_the_results(strategy: str) ->
     if strategy != "no_buffer":
         assert caps and in_flight, "the case should have captures in both steps"
     usual, frames = build_run_batch(7, _decode(twins), caps, [], [])
-    assert sent.msg.seqs == usual.seqs
-    assert list(sent.frames[0].values) == list(frames[0].values) == tokens
-    assert list(sent.frames[1].values) == list(frames[1].values)
-    assert sent.caps == caps
+    # The usual build's message, but for the stop tokens the worker checks N's token against.
+    assert [msgspec.structs.replace(q, stop_ids=[]) for q in sent.msg.seqs] == usual.seqs
+    assert all(q.stop_ids == sorted(EOS) for q in sent.msg.seqs)
+    assert list(frames[0].values) == tokens  # what the worker feeds from N's results
+    assert list(sent.frames[0].values) == list(frames[1].values)
+    assert sent.caps == ran.caps == caps
     assert [(r.pages_sent, r.pages_dirty) for r in reqs] == [(t.pages_sent, t.pages_dirty) for t in twins]
 
 
@@ -102,32 +112,36 @@ def test_requests_that_stop_with_this_token_leave_the_next_step() -> None:
         _req(1),  # samples EOS
         _req(2, ignore_eos=True),  # samples EOS but ignores it
         _req(3, stop_token_ids=[7]),  # samples its stop token
-        _req(4),  # aborted since the step was sent
+        _req(4),  # aborted before the step was sent
         _req(5),  # its sampling failed
         _req(6, output=99),  # its 100th token: max_tokens
+        _req(7, stop_token_ids=[9]),  # aborted after the step was sent: it runs the step
     ]
     ahead = _prebuild(reqs)
     assert ahead is not None
-    sent = _continue(ahead, [5, 2, 2, 7, 5, 5, 5], leaving={"r4"}, seq_errors={5: "nan"})
+    sent = _follow(ahead, leaving={"r4"})
     assert sent is not None
-    assert sent.left == {1, 3, 4, 5, 6}
-    assert [s.rid for s in sent.msg.seqs] == ["r0", "r2"]
-    assert [r.rid for r, _ in sent.plan.items] == ["r0", "r2"]
-    assert list(sent.frames[0].values) == [5, 2]
-    # Only the page deltas of the requests sent go, and only theirs are marked as sent.
-    assert [s.num_new_pages for s in sent.msg.seqs] == [0, 0]
-    assert len(sent.frames[1].values) == 0
-    assert reqs[1].pages_sent == len(reqs[1].pages) - 1
+    # Known when it leaves: r4 is leaving, r6 ends by length.
+    assert [s.rid for s in sent.msg.seqs] == ["r0", "r1", "r2", "r3", "r5", "r7"]
+    assert [s.stop_ids for s in sent.msg.seqs] == [[2], [2], [], [2, 7], [2], [2, 9]]
+    # Only the page deltas of the requests sent go (in their order), and only theirs are marked as sent.
+    assert [s.num_new_pages for s in sent.msg.seqs] == [0, 1, 0, 1, 1, 1]
+    assert list(sent.frames[0].values) == [reqs[i].pages[-1] for i in (1, 3, 5, 7)]
+    assert all(reqs[i].pages_sent == len(reqs[i].pages) for i in (1, 3, 5, 7))
+    ran = _ran(sent, [5, 2, 2, 7, 5, 5, 5, 5], seq_errors={5: "nan"})
+    assert ran.left_out == ("r1", "r3", "r5")
+    assert [r.rid for r, _ in ran.plan.items] == ["r0", "r2", "r7"]
 
 
-def test_a_failed_step_or_no_one_left_sends_nothing() -> None:
+def test_when_every_request_stops_none_runs() -> None:
     reqs = [_req(0), _req(1)]
     ahead = _prebuild(reqs)
     assert ahead is not None
-    before = [(r.pages_sent, r.pages_dirty) for r in reqs]
-    assert _continue(ahead, [5, 5], error="boom") is None
-    assert _continue(ahead, [2, 2]) is None  # both stop
-    assert [(r.pages_sent, r.pages_dirty) for r in reqs] == before  # nothing committed
+    sent = _follow(ahead)
+    assert sent is not None
+    ran = _ran(sent, [2, 2])
+    assert not ran.plan.items and ran.left_out == ("r0", "r1")
+    assert _follow(ahead, leaving={"r0", "r1"}) is None  # nothing to send at all
 
 
 def test_no_prebuilt_step_when_the_next_one_is_not_this_one_again() -> None:
@@ -166,6 +180,6 @@ def test_building_ahead_changes_no_request() -> None:
 def test_the_message_is_a_decode_run_batch() -> None:
     ahead = _prebuild([_req(0)])
     assert ahead is not None
-    sent = _continue(ahead, [5])
+    sent = _follow(ahead)
     assert sent is not None and isinstance(sent.msg, RunBatch) and sent.msg.mode == "decode"
-    assert sent.msg.batch_id == 7
+    assert sent.msg.batch_id == 7 and sent.msg.follows == 1

@@ -28,7 +28,6 @@ from himamba.common.messages import (
     RunBatch,
     TokenBatch,
     ToTokenizer,
-    TransfersDone,
     WorkerInfo,
 )
 from himamba.common.types import SamplingParams
@@ -67,6 +66,12 @@ class ScriptedWorker(StandInWorker):
         return 7
 
     def _on_batch(self, msg: RunBatch, frames: list[Any], arrived: float) -> None:
+        left_out: list[str] = []
+        if msg.follows >= 0:  # sent while the step it follows ran: resolved as the worker does
+            resolved = self.follow_on(msg, frames[1:])  # the header is frames[0]
+            if resolved is None:
+                return
+            msg, frames, left_out = resolved
         tokens = {s.rid: self._token(s.rid, s.step) for s in msg.seqs}
         self.steps.append((msg.mode, [s.rid for s in msg.seqs], tokens))
         if msg.mode != "none" and msg.seqs:
@@ -76,9 +81,7 @@ class ScriptedWorker(StandInWorker):
             self.abort_after_step = len(self.steps) - 1
             self.abort_out.send_multipart(encode_msg(AbortRequest(rid="r5")))
             time.sleep(0.01)  # the abort lands while this step is still "running"
-        self._send("scheduler", BatchDone(batch_id=msg.batch_id, next_tokens=[tokens[s.rid] for s in msg.seqs]))
-        if msg.transfers:
-            self._send("cache", TransfersDone(op_ids=[t.op_id for t in msg.transfers]))
+        self.done(msg, [tokens[s.rid] for s in msg.seqs], left_out)
 
 
 def _config(endpoints: dict[str, str], model_dir: Path) -> Config:
@@ -96,9 +99,40 @@ def _config(endpoints: dict[str, str], model_dir: Path) -> Config:
     return msgspec.convert(raw, Config)
 
 
+class FailingWorker(ScriptedWorker):
+    """Fails the first full decode step that samples the requests' FAIL_AT-th tokens; the step
+    that follows it (already sent) must then be refused."""
+
+    def __init__(self, endpoints: dict[str, str], info: WorkerInfo) -> None:
+        super().__init__(endpoints, info)
+        self.failed: int | None = None  # the batch that failed
+        self.refused: int | None = None  # the one that followed it
+
+    def _on_batch(self, msg: RunBatch, frames: list[Any], arrived: float) -> None:
+        if self.failed is None and msg.follows >= 0 and len(msg.seqs) == 8 and msg.seqs[0].step + 1 >= FAIL_AT:
+            self.failed = msg.batch_id
+            self.last = None
+            self._send("scheduler", BatchDone(batch_id=msg.batch_id, next_tokens=[], error="the forward failed"))
+            return
+        if self.failed is not None and msg.follows == self.failed:
+            self.refused = msg.batch_id
+        super()._on_batch(msg, frames, arrived)
+
+
+FAIL_AT = 3
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    work = tmp_path_factory.mktemp("ahead")
+    return _scenario(tmp_path_factory.mktemp("ahead"), ScriptedWorker)
+
+
+@pytest.fixture(scope="module")
+def failed_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _scenario(tmp_path_factory.mktemp("ahead-failed"), FailingWorker)
+
+
+def _scenario(work: Path, worker_cls: type[ScriptedWorker]) -> dict[str, Any]:
     endpoints = unique_endpoints("himamba-ahead")
     model_dir = work / "stand-in-model"
     model_dir.mkdir()
@@ -119,7 +153,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     stats_ep = endpoints["tokenizer_ipc"] + "-stats"
     stats_in = ctx.socket(zmq.PULL)
     stats_in.bind(stats_ep)
-    worker = ScriptedWorker(endpoints, info)
+    worker = worker_cls(endpoints, info)
     worker.start()
     procs: dict[str, subprocess.Popen[bytes]] = {}
     for name in ("cache", "scheduler"):
@@ -174,7 +208,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         assert stats_in.poll(10_000)
         stats = msgspec.msgpack.decode(stats_in.recv_multipart()[0], type=CacheStats)
         return {"tokens": tokens, "finishes": finishes, "steps": worker.steps, "ahead": ahead,
-                "abort_step": worker.abort_after_step, "stats": stats}  # fmt: skip
+                "abort_step": worker.abort_after_step, "stats": stats, "worker": worker}  # fmt: skip
     finally:
         stop_processes(procs)
         worker.close()
@@ -217,6 +251,20 @@ def test_no_step_after_the_one_that_ended_a_request_runs_it(run: dict[str, Any])
 def test_steady_decode_goes_ahead_and_no_memory_is_left_held(run: dict[str, Any]) -> None:
     assert run["ahead"] > 0
     stats: CacheStats = run["stats"]
+    assert stats.invariants_ok, stats.invariants_error
+    assert stats.running_requests == 0
+    assert stats.free_pages + stats.cached_pages == stats.total_pages
+    assert stats.free_slots + stats.cached_slots == stats.total_slots
+
+
+def test_a_failed_step_fails_the_one_that_follows_it_and_every_request_ends_once(failed_run: dict[str, Any]) -> None:
+    worker: FailingWorker = failed_run["worker"]
+    assert worker.failed is not None and worker.refused is not None  # sent before the failure was known
+    # All eight were running when it failed: each ends exactly once, with the error, and none
+    # ran again (the refused step never reached the "forward").
+    assert dict(failed_run["finishes"]) == {f"r{i}": ["error"] for i in range(8)}
+    assert all(len(failed_run["tokens"][f"r{i}"]) == FAIL_AT - 1 for i in range(8))
+    stats: CacheStats = failed_run["stats"]
     assert stats.invariants_ok, stats.invariants_error
     assert stats.running_requests == 0
     assert stats.free_pages + stats.cached_pages == stats.total_pages
