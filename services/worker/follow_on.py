@@ -40,11 +40,11 @@ class Resolved(NamedTuple):
 
 def sampled(msg: RunBatch, done: BatchDone) -> LastSampled | None:
     """The tokens a step that follows `msg` reads (None when `msg` failed as a whole)."""
-    if done.error:
+    if done.error or len(done.next_tokens) != len(msg.seqs):
         return None
+    errors = done.seq_errors
     return LastSampled(
-        msg.batch_id,
-        {s.rid: t for i, (s, t) in enumerate(zip(msg.seqs, done.next_tokens, strict=True)) if i not in done.seq_errors},
+        msg.batch_id, {s.rid: t for i, (s, t) in enumerate(zip(msg.seqs, done.next_tokens)) if i not in errors}
     )
 
 

@@ -53,9 +53,14 @@ class ScriptedWorker(StandInWorker):
         super().__init__(endpoints, info, forward_s=0.002, running=8)
         self.steps: list[tuple[str, list[str], dict[str, int]]] = []
         self.abort_after_step: int | None = None
+        # Connected once the scheduler is up (`connect_aborts`): connecting before it binds leaves
+        # ZeroMQ retrying every 100 ms, and steady decode may outrun that.
         self.abort_out = self.ctx.socket(zmq.PUSH)
         self.abort_out.setsockopt(zmq.LINGER, 0)
-        self.abort_out.connect(endpoints["scheduler_ipc"])
+        self.scheduler_ipc = endpoints["scheduler_ipc"]
+
+    def connect_aborts(self) -> None:
+        self.abort_out.connect(self.scheduler_ipc)
 
     def _token(self, rid: str, step: int) -> int:
         nth = step + 1  # this step's token is the request's nth
@@ -163,6 +168,7 @@ def _scenario(work: Path, worker_cls: type[ScriptedWorker]) -> dict[str, Any]:
             )
     try:
         _wait_ready(control, {"cache", "scheduler"}, procs)
+        worker.connect_aborts()
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
         push.connect(endpoints["scheduler_ipc"])
