@@ -226,8 +226,8 @@ SCHEDULER_RETRACTIONS = MetricDef(
 )
 SCHEDULER_DECODE_STEPS_AHEAD = MetricDef(
     "himamba_scheduler_ahead_decode_steps_total",
-    "Decode steps sent the moment the previous step's tokens arrived (built while it ran); the "
-    "other steps wait for the scheduler to handle those tokens first.",
+    "Decode steps sent while the step they follow ran (the worker feeds them its tokens and starts "
+    "them at once); the other steps wait for the scheduler to handle the previous step's tokens first.",
     "counter",
     "scheduler",
 )
