@@ -16,12 +16,12 @@ request finishes, with the KV up to that boundary.
   boundary tries again.
 - `single_buffer`: one track slot, overwritten in place at each boundary.
 
-Why `single_buffer` is safe here: the scheduler never launches step N+1 before step N's results
-are in (sglang's overlap scheduler does, and needs the ping-pong so that a tracked state is not
-overwritten while the tree may still take it); a decode step sent ahead (decode_ahead.py) leaves
-once N's tokens have arrived, and without the requests they end. A tracked state goes to the
-tree only at the release, when the request is in no batch, so a second track slot protects
-nothing in himamba.
+Why `single_buffer` is safe here: a decode step sent while step N runs (decode_ahead.py) is never
+a boundary step when N is one (a step is built ahead only when boundaries are at least 2 tokens
+apart), so it never overwrites the state N tracks; a request is in no step sent after the one
+that ended it (the worker leaves it out), and a tracked state goes to the tree only at the
+release, when the request is in no batch. So the ping-pong sglang's overlap scheduler needs (a
+tracked state overwritten while the tree may still take it) protects nothing in himamba.
 
 State slots a running request holds at steady decode (working + track): no_buffer 1,
 extra_buffer 3, extra_buffer_lazy 2 (3 during a boundary step), single_buffer 2. States the

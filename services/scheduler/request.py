@@ -78,7 +78,6 @@ class Req:
     def context(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
-
     @property
     def context_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

@@ -7,7 +7,7 @@ and turn BatchDone into tokens for the tokenizer, captured states into tree inse
 inserts and releases, admitting waiting requests, pages for the next decode, lazy track slots
 for the next boundary) is one CacheStep round trip (cache_client.py); with overlap on it runs
 while the worker computes the current step, and so does building the next decode step, which is
-sent the moment the current step's tokens arrive (decode_ahead.py). The scheduler never touches
+sent at once, for the worker to start when the current one ends (decode_ahead.py). The scheduler never touches
 a tensor and never owns memory: it asks the cache controller, which answers with pages, slots
 and copy orders.
 
