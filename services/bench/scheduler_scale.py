@@ -6,8 +6,8 @@ model. A decode step's serial scheduler time is what a GPU would sit idle for be
 from the moment the stand-in sends BatchDone to the moment it has the next RunBatch (the
 stand-in's own time is outside that window). At steady decode the scheduler sends each step
 while the one before runs (scheduler/decode_ahead.py), so the window holds only what of its
-per-step work outlasts the forward; its whole per-step work is the "sched CPU" column. For running requests x context in
-{32, 256} x {2k, 32k} (and 256 x 2k with a repetition penalty) it prints that time per step (ms
+per-step work outlasts the forward; its whole per-step work is the "sched CPU" column. For
+running requests x context in {32, 256} x {2k, 32k} (and 256 x 2k with a repetition penalty) it prints that time per step (ms
 and us per running request), the scheduler's and the cache controller's CPU per step (from
 /proc), and RunBatch bytes per step. JSON: `serial_ms_per_step` keyed like "256x32768".
 """
@@ -130,15 +130,15 @@ class StandInWorker(threading.Thread):
         try:
             return resolve(msg, frames, self.last)
         except FollowError as e:
-            self.last = None
-            self._send("scheduler", BatchDone(batch_id=msg.batch_id, next_tokens=[], error=str(e)))
-            if msg.transfers:
-                self._send("cache", TransfersDone(op_ids=[t.op_id for t in msg.transfers]))
+            self._answer(msg, BatchDone(batch_id=msg.batch_id, next_tokens=[], error=str(e)))
             return None
 
     def done(self, msg: RunBatch, tokens: list[int], left_out: list[str]) -> None:
-        """Answer `msg` (as resolved) with `tokens`; acknowledge its copies."""
-        done = BatchDone(batch_id=msg.batch_id, next_tokens=tokens, left_out=left_out)
+        """Answer `msg` (as resolved) with `tokens`."""
+        self._answer(msg, BatchDone(batch_id=msg.batch_id, next_tokens=tokens, left_out=left_out))
+
+    def _answer(self, msg: RunBatch, done: BatchDone) -> None:
+        """Send `done`, remember what it sampled, acknowledge `msg`'s copies (whatever the forward did)."""
         self.last = sampled(msg, done)
         self._send("scheduler", done)
         if msg.transfers:
