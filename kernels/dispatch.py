@@ -1,13 +1,17 @@
-"""The one place that chooses an implementation for each kernel: the Triton twin or the PyTorch reference.
+"""The one place that chooses an implementation for each kernel: the Triton twin, the native CPU
+kernel or the PyTorch reference.
 
 Every function here has the exact signature (and contract) of its reference in
 `himamba.kernels.reference`, so callers never import an implementation directly.
 
 The choice is made per call from the inputs: CUDA tensors with triton installed get the twin
 in `himamba.kernels.triton.<family>` (imported on first use, so a CPU process never imports
-triton), anything else the reference. The environment variable HIMAMBA_KERNELS overrides it:
-"reference" forces the reference everywhere (to debug a GPU run), "triton" forces the twins
-everywhere (on CPU only under TRITON_INTERPRET=1, for testing), "auto" (the default) chooses.
+triton); CPU tensors get the native kernel of `himamba.kernels.native` where there is one, it
+takes the tensors (float32) and the library was built (`native.build`); anything else the
+reference. The environment variable HIMAMBA_KERNELS overrides it: "reference" forces the
+reference everywhere (to debug a GPU run, or to compare), "triton" forces the twins everywhere
+(on CPU only under TRITON_INTERPRET=1, for testing), "native" requires the native library on
+CPU (an error if it could not be built), "auto" (the default) chooses.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ from types import ModuleType
 
 from torch import Tensor
 
+from .native import attention as _native_attention
+from .native import conv1d as _native_conv1d
+from .native import ssd as _native_ssd
+from .native.build import native_build
 from .reference import attention as _attention
 from .reference import conv1d as _conv1d
 from .reference import delta_rule as _delta_rule
@@ -34,7 +42,7 @@ from .reference.moe import Routing
 from .reference.ssd import ScanResult
 
 KERNELS_ENV = "HIMAMBA_KERNELS"
-KERNEL_CHOICES = ("auto", "reference", "triton")
+KERNEL_CHOICES = ("auto", "reference", "triton", "native")
 
 
 @functools.cache
@@ -60,6 +68,20 @@ def uses_triton(x: Tensor) -> bool:
     if mode == "triton" and not triton_installed():
         raise RuntimeError(f"{KERNELS_ENV}=triton but triton is not installed")
     return mode != "reference" and triton_installed()
+
+
+def uses_native(x: Tensor) -> bool:
+    """Whether an op whose main input is x runs its native CPU kernel, where one takes the inputs
+    (see the module docstring)."""
+    if x.device.type != "cpu":
+        return False
+    mode = kernels_mode()
+    if mode in ("reference", "triton"):
+        return False
+    built = native_build()
+    if built.library is None and mode == "native":
+        raise RuntimeError(f"{KERNELS_ENV}=native but the native kernels are {built.detail}")
+    return built.library is not None
 
 
 @functools.cache
@@ -90,6 +112,9 @@ def causal_conv1d_update(
     """One decode step of the conv, updating conv_state in place; see `reference.conv1d`."""
     if uses_triton(x):
         return _twin("conv1d").causal_conv1d_update(x, conv_state, weight, bias, activation)
+    if uses_native(x) and _native_conv1d.supports(x, conv_state, weight, bias):
+        _conv1d.check_update_args(x, conv_state, weight, bias, activation)
+        return _native_conv1d.causal_conv1d_update(x, conv_state, weight, bias, activation)
     return _conv1d.causal_conv1d_update(x, conv_state, weight, bias, activation)
 
 
@@ -127,6 +152,10 @@ def selective_state_update(
     """One decode step of the Mamba2 recurrence, updating state in place; see `reference.ssd`."""
     if uses_triton(x):
         return _twin("ssd").selective_state_update(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit)
+    if uses_native(x) and _native_ssd.supports(state, x, dt, A, B, C, D, dt_bias):
+        _ssd.check_state_update_args(state, x, dt, A, B, C, D, dt_bias)
+        _ssd.check_dt_limit(dt_limit)
+        return _native_ssd.selective_state_update(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit)
     return _ssd.selective_state_update(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit)
 
 
@@ -159,6 +188,9 @@ def paged_attention_decode(
     """Attention of one new token per sequence over the paged pool; see `reference.attention`."""
     if uses_triton(q):
         return _twin("attention").paged_attention_decode(q, k_cache, v_cache, slot_table, seq_lens, scale)
+    if uses_native(q) and _native_attention.supports(q, k_cache, v_cache):
+        _attention.check_decode_args(q, k_cache, v_cache, slot_table, seq_lens)
+        return _native_attention.paged_attention_decode(q, k_cache, v_cache, slot_table, seq_lens, scale)
     return _attention.paged_attention_decode(q, k_cache, v_cache, slot_table, seq_lens, scale)
 
 

@@ -69,15 +69,9 @@ def paged_attention_prefill(
     return out[0].transpose(0, 1).contiguous()
 
 
-def paged_attention_decode(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, slot_table: Tensor, seq_lens: Tensor, scale: float
-) -> Tensor:
-    """One new token per sequence, q [B, Hq, Dh], attending to its context; returns [B, Hq, Dh].
-
-    slot_table [B, max_len] holds each context's token slots in order (any valid slot past
-    seq_lens); seq_lens [B] count the context including the new token, whose K/V must already be
-    in the cache. Lengths are range-checked only for CPU tensors (elsewhere it would cost a sync).
-    """
+def check_decode_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot_table: Tensor, seq_lens: Tensor) -> None:
+    """Raise ValueError unless the arguments of `paged_attention_decode` fit together (every
+    implementation checks them so)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, Dh], got {tuple(q.shape)}")
     batch, q_heads, head_dim = q.shape
@@ -94,6 +88,19 @@ def paged_attention_decode(
         if lo < 1 or hi > max_len:
             raise ValueError(f"seq_lens must be in [1, max_len={max_len}], got min {lo} max {hi}")
 
+
+def paged_attention_decode(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slot_table: Tensor, seq_lens: Tensor, scale: float
+) -> Tensor:
+    """One new token per sequence, q [B, Hq, Dh], attending to its context; returns [B, Hq, Dh].
+
+    slot_table [B, max_len] holds each context's token slots in order (any valid slot past
+    seq_lens); seq_lens [B] count the context including the new token, whose K/V must already be
+    in the cache. Lengths are range-checked only for CPU tensors (elsewhere it would cost a sync).
+    """
+    check_decode_args(q, k_cache, v_cache, slot_table, seq_lens)
+    batch, q_heads, head_dim = q.shape
+    max_len = slot_table.shape[1]
     kv_heads = k_cache.shape[1]
     # One gather for the whole batch: [B * max_len] slots -> [B, Hkv, max_len, Dh].
     flat = slot_table.reshape(-1)

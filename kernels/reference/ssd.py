@@ -35,9 +35,8 @@ class ScanResult(NamedTuple):
 def _process_dt(
     dt: Tensor, dt_bias: Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float]
 ) -> Tensor:
+    check_dt_limit(dt_limit)
     low, high = dt_limit
-    if not low <= high:
-        raise ValueError(f"dt_limit must be (low, high) with low <= high, got {dt_limit}")
     dt = dt.float()
     if dt_bias is not None:
         dt = dt + dt_bias.float()
@@ -225,6 +224,34 @@ def ssd_scan(
     return ScanResult(out.to(x.dtype), final_state)
 
 
+def check_state_update_args(
+    state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None, dt_bias: Tensor | None
+) -> int:
+    """Raise ValueError unless the arguments of `selective_state_update` fit together (every
+    implementation checks them so); return the heads per group."""
+    if x.dim() != 3:
+        raise ValueError(f"x must be [Bt, H, P], got {tuple(x.shape)}")
+    batch, heads, head_dim = x.shape
+    if tuple(dt.shape) != (batch, heads):
+        raise ValueError(f"dt must be [Bt={batch}, H={heads}], got {tuple(dt.shape)}")
+    if B.dim() != 3 or B.shape[0] != batch:
+        raise ValueError(f"B must be [Bt={batch}, G, N], got {tuple(B.shape)}")
+    rep = _check_heads(x, A, B, C, D, dt_bias)
+    state_size = B.shape[2]
+    if tuple(state.shape) != (batch, heads, head_dim, state_size):
+        raise ValueError(
+            f"state must be [Bt={batch}, H={heads}, P={head_dim}, N={state_size}], got {tuple(state.shape)}"
+        )
+    return rep
+
+
+def check_dt_limit(dt_limit: tuple[float, float]) -> None:
+    """Raise ValueError unless dt_limit is (low, high) with low <= high."""
+    low, high = dt_limit
+    if not low <= high:
+        raise ValueError(f"dt_limit must be (low, high) with low <= high, got {dt_limit}")
+
+
 def selective_state_update(
     state: Tensor,
     x: Tensor,
@@ -242,20 +269,9 @@ def selective_state_update(
     Mutates `state` in place to the state after this token (computed in float32, stored in the
     state's dtype); y is read from the float32 state, before that rounding, and returned in x's dtype.
     """
-    if x.dim() != 3:
-        raise ValueError(f"x must be [Bt, H, P], got {tuple(x.shape)}")
+    rep = check_state_update_args(state, x, dt, A, B, C, D, dt_bias)
     batch, heads, head_dim = x.shape
-    if tuple(dt.shape) != (batch, heads):
-        raise ValueError(f"dt must be [Bt={batch}, H={heads}], got {tuple(dt.shape)}")
-    if B.dim() != 3 or B.shape[0] != batch:
-        raise ValueError(f"B must be [Bt={batch}, G, N], got {tuple(B.shape)}")
-    rep = _check_heads(x, A, B, C, D, dt_bias)
     groups, state_size = B.shape[1], B.shape[2]
-    if tuple(state.shape) != (batch, heads, head_dim, state_size):
-        raise ValueError(
-            f"state must be [Bt={batch}, H={heads}, P={head_dim}, N={state_size}], got {tuple(state.shape)}"
-        )
-
     dt = _process_dt(dt, dt_bias, dt_softplus, dt_limit)
     x32 = x.float()
     decay = (dt * A.float()).exp().view(batch, groups, rep, 1, 1)

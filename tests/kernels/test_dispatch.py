@@ -99,7 +99,7 @@ def test_forcing_triton_without_it_is_an_error(kernels_env, monkeypatch: pytest.
 
 def test_an_unknown_kernels_mode_is_refused(kernels_env) -> None:
     kernels_env("cuda")
-    with pytest.raises(ValueError, match="HIMAMBA_KERNELS must be one of auto, reference, triton, got 'cuda'"):
+    with pytest.raises(ValueError, match="HIMAMBA_KERNELS must be one of auto, reference, triton, native, got 'cuda'"):
         kernels.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-5)
 
 

@@ -1,0 +1,41 @@
+"""Decode attention over the paged KV pool, reading K/V rows in place (see paged_attention.c)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .build import native_build
+
+
+def supports(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
+    """Whether `paged_attention_decode` takes these tensors: float32 on the CPU, a contiguous pool."""
+    return (
+        q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )
+
+
+def paged_attention_decode(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slot_table: Tensor, seq_lens: Tensor, scale: float
+) -> Tensor:
+    """As `reference.attention.paged_attention_decode`, whose argument checks the caller has run."""
+    library = native_build().library
+    assert library is not None
+    q = q.contiguous()
+    slot_table = slot_table.contiguous()
+    seq_lens = seq_lens.contiguous()
+    batch, q_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    status = library.hm_paged_attention_decode_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_table.data_ptr(), seq_lens.data_ptr(),
+        out.data_ptr(), batch, q_heads, k_cache.shape[1], head_dim, slot_table.shape[1], k_cache.shape[0], scale,
+    )  # fmt: skip
+    if status == -1:
+        raise ValueError(f"slot_table holds a slot outside the pool's {k_cache.shape[0]} (or a length out of range)")
+    if status != 0:
+        raise MemoryError("paged_attention_decode: out of memory for the scores")
+    return out

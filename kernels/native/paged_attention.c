@@ -1,0 +1,189 @@
+/* Decode attention over the paged KV pool, reading each context's K/V rows where they lie.
+ *
+ * The PyTorch reference gathers every context into a fresh [B, Hkv, L, Dh] tensor and masks the
+ * padding; on CPU that gather (twice: K and V) costs as much as the attention itself. Here each
+ * (sequence, kv head) pair reads its own rows through the slot table: scores for the query heads
+ * that share the kv head, a softmax, and the weighted sum of V rows.
+ *
+ * Layout (float32, contiguous): q [B, Hq, D], k_cache / v_cache [S, Hkv, D], slot_table [B, L]
+ * (int64), seq_lens [B] (int64), out [B, Hq, D]. Query head h reads kv head h / (Hq / Hkv).
+ * Returns 0; -1 when a length or a slot is out of range (nothing is written then); -2 when the
+ * scores could not be allocated.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* 16 floats; aligned(4) makes every load and store through it an unaligned one. */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+
+/* exp(x) for x <= 0 (a score minus its row's maximum), 16 at a time: Cody-Waite reduction and
+ * Cephes' degree-6 expf polynomial (within 2 ulp). libm's expf is one call per score, which made
+ * the softmax as costly as the two products. */
+static inline v16 exp16(v16 x) {
+    const v16i below = x < -87.0f; /* all ones where true: there the clamped value is taken */
+    x = (v16)((below & (v16i)(x - x - 87.0f)) | (~below & (v16i)x));
+    const v16 magic = x - x + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    const v16 n = (x * 1.44269504088896341f + magic) - magic;
+    const v16 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    v16 p = r - r + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+    return p * (v16)bits;
+}
+
+static inline float exp1(float x) {
+    v16 v = {0};
+    v[0] = x;
+    return exp16(v)[0];
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline v8 fold(v16 a) {
+    return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+/* The four rows a[0..3] (`stride` apart) · b, for lengths that are a multiple of 16: four 16-lane
+ * partial sums folded together, instead of folding each product's 16 lanes on its own. */
+static inline void dot4(const float *a, int64_t stride, const float *b, int64_t n, float *out) {
+    v16 acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0};
+    for (int64_t i = 0; i < n; i += 16) {
+        const v16 bv = *(const v16 *)(b + i);
+        acc0 += *(const v16 *)(a + i) * bv;
+        acc1 += *(const v16 *)(a + stride + i) * bv;
+        acc2 += *(const v16 *)(a + 2 * stride + i) * bv;
+        acc3 += *(const v16 *)(a + 3 * stride + i) * bv;
+    }
+    const v8 h0 = fold(acc0), h1 = fold(acc1), h2 = fold(acc2), h3 = fold(acc3);
+    const v8 q01 = __builtin_shufflevector(h0, h1, 0, 1, 2, 3, 8, 9, 10, 11) +
+                   __builtin_shufflevector(h0, h1, 4, 5, 6, 7, 12, 13, 14, 15);
+    const v8 q23 = __builtin_shufflevector(h2, h3, 0, 1, 2, 3, 8, 9, 10, 11) +
+                   __builtin_shufflevector(h2, h3, 4, 5, 6, 7, 12, 13, 14, 15);
+    const v8 p = __builtin_shufflevector(q01, q23, 0, 2, 4, 6, 8, 10, 12, 14) +
+                 __builtin_shufflevector(q01, q23, 1, 3, 5, 7, 9, 11, 13, 15);
+    out[0] = p[0] + p[1];
+    out[1] = p[2] + p[3];
+    out[2] = p[4] + p[5];
+    out[3] = p[6] + p[7];
+}
+
+/* Row s[0..len) -> its softmax, in place. */
+static void softmax(float *s, int64_t len) {
+    float m = s[0];
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < len; j++) m = s[j] > m ? s[j] : m;
+    v16 sum16 = {0};
+    int64_t j = 0;
+    for (; j + 16 <= len; j += 16) {
+        const v16 e = exp16(*(v16 *)(s + j) - m);
+        *(v16 *)(s + j) = e;
+        sum16 += e;
+    }
+    float total = 0.0f;
+    for (int i = 0; i < 16; i++) total += sum16[i];
+    for (; j < len; j++) {
+        s[j] = exp1(s[j] - m);
+        total += s[j];
+    }
+    const float inv = 1.0f / total;
+#pragma omp simd
+    for (int64_t i = 0; i < len; i++) s[i] *= inv;
+}
+
+static int64_t check(const int64_t *slot_table, const int64_t *seq_lens, int64_t batch, int64_t max_len,
+                     int64_t num_slots) {
+    for (int64_t b = 0; b < batch; b++) {
+        int64_t len = seq_lens[b];
+        if (len < 1 || len > max_len) return -1;
+        const int64_t *row = slot_table + b * max_len;
+        for (int64_t j = 0; j < len; j++)
+            if (row[j] < 0 || row[j] >= num_slots) return -1;
+    }
+    return 0;
+}
+
+/* One (sequence, kv head): `rep` query rows against `len` context rows. `work` holds rep * len
+ * probabilities. */
+static void attend(const float *q, const float *k_cache, const float *v_cache, const int64_t *slots, int64_t len,
+                   int64_t rep, int64_t row_stride, int64_t head_dim, float scale, float *work, float *out) {
+    const int64_t quads = head_dim % 16 == 0 ? rep / 4 * 4 : 0;
+    for (int64_t j = 0; j < len; j++) {
+        const float *k = k_cache + slots[j] * row_stride;
+        int64_t r = 0;
+        for (; r < quads; r += 4) {
+            float d[4];
+            dot4(q + r * head_dim, head_dim, k, head_dim, d);
+            for (int64_t i = 0; i < 4; i++) work[(r + i) * len + j] = d[i] * scale;
+        }
+        for (; r < rep; r++) work[r * len + j] = dot(q + r * head_dim, k, head_dim) * scale;
+    }
+    for (int64_t r = 0; r < rep; r++) softmax(work + r * len, len);
+    /* The weighted sum of V rows: 16 columns of four query rows at a time stay in registers over
+     * the whole context (each pass reads one cache line of every V row). */
+    int64_t r = 0;
+    for (; r < quads; r += 4) {
+        const float *p0 = work + r * len, *p1 = p0 + len, *p2 = p1 + len, *p3 = p2 + len;
+        for (int64_t c = 0; c < head_dim; c += 16) {
+            v16 o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
+            for (int64_t j = 0; j < len; j++) {
+                const v16 v = *(const v16 *)(v_cache + slots[j] * row_stride + c);
+                o0 += p0[j] * v;
+                o1 += p1[j] * v;
+                o2 += p2[j] * v;
+                o3 += p3[j] * v;
+            }
+            *(v16 *)(out + r * head_dim + c) = o0;
+            *(v16 *)(out + (r + 1) * head_dim + c) = o1;
+            *(v16 *)(out + (r + 2) * head_dim + c) = o2;
+            *(v16 *)(out + (r + 3) * head_dim + c) = o3;
+        }
+    }
+    for (; r < rep; r++) {
+        float *o = out + r * head_dim;
+        const float *p = work + r * len;
+        memset(o, 0, (size_t)head_dim * sizeof(float));
+        for (int64_t j = 0; j < len; j++) {
+            const float *v = v_cache + slots[j] * row_stride;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) o[d] += p[j] * v[d];
+        }
+    }
+}
+
+int64_t hm_paged_attention_decode_f32(const float *q, const float *k_cache, const float *v_cache,
+                                      const int64_t *slot_table, const int64_t *seq_lens, float *out, int64_t batch,
+                                      int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t max_len,
+                                      int64_t num_slots, float scale) {
+    if (check(slot_table, seq_lens, batch, max_len, num_slots) != 0) return -1;
+    const int64_t rep = q_heads / kv_heads, row_stride = kv_heads * head_dim, tasks = batch * kv_heads;
+    int64_t failed = 0;
+    /* A parallel region only when there is work for two threads: each region wakes the team. */
+#pragma omp parallel for schedule(static) reduction(| : failed) if (tasks > 1 && batch * max_len >= 4096)
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t b = t / kv_heads, g = t % kv_heads, len = seq_lens[b];
+        float *work = malloc((size_t)(rep * len) * sizeof(float));
+        if (work == NULL) {
+            failed = 1;
+            continue;
+        }
+        attend(q + (b * q_heads + g * rep) * head_dim, k_cache + g * head_dim, v_cache + g * head_dim,
+               slot_table + b * max_len, len, rep, row_stride, head_dim, scale, work,
+               out + (b * q_heads + g * rep) * head_dim);
+        free(work);
+    }
+    return failed ? -2 : 0;
+}

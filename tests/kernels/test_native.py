@@ -1,0 +1,198 @@
+"""The native CPU kernels (kernels/native) against their PyTorch references, and how they are built and chosen."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from himamba.kernels import dispatch
+from himamba.kernels.native import attention as native_attention
+from himamba.kernels.native import build
+from himamba.kernels.native import conv1d as native_conv1d
+from himamba.kernels.native import ssd as native_ssd
+from himamba.kernels.reference import attention, conv1d, ssd
+
+pytestmark = pytest.mark.skipif(
+    build.native_build().library is None, reason=f"native kernels {build.native_build().detail}"
+)
+
+
+def _slot_table(gen: torch.Generator, lens: list[int], page: int, pages: int) -> torch.Tensor:
+    """Each sequence's token slots, page by page from a shuffled pool, padded with a valid slot."""
+    perm = torch.randperm(pages, generator=gen)
+    width = max(lens) + 3
+    table = torch.zeros(len(lens), width, dtype=torch.int64)
+    used = 0
+    for b in range(len(lens)):
+        need = -(-width // page)
+        slots = (perm[used : used + need, None] * page + torch.arange(page)).reshape(-1)[:width]
+        used += need
+        table[b] = slots
+    return table
+
+
+@pytest.mark.parametrize(
+    ("q_heads", "kv_heads", "head_dim"),
+    [(8, 2, 64), (4, 4, 16), (6, 2, 24), (12, 2, 32), (5, 1, 40), (16, 2, 128)],
+)
+def test_decode_attention_matches_reference(q_heads: int, kv_heads: int, head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(q_heads * 100 + head_dim)
+    lens = [1, 7, 16, 33, 200]  # partial and whole 16-score blocks, a lone token
+    table = _slot_table(gen, lens, page=16, pages=80)
+    k_cache = torch.randn(80 * 16, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(80 * 16, kv_heads, head_dim, generator=gen)
+    q = torch.randn(len(lens), q_heads, head_dim, generator=gen) * 3  # peaked softmaxes too
+    seq_lens = torch.tensor(lens)
+    scale = 1 / math.sqrt(head_dim)
+    want = attention.paged_attention_decode(q, k_cache, v_cache, table, seq_lens, scale)
+    got = native_attention.paged_attention_decode(q, k_cache, v_cache, table, seq_lens, scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_far_below_the_maximum_gets_zero_weight() -> None:
+    """Scores hundreds below the row's maximum (exp underflows) weigh nothing, as in the reference."""
+    k_cache = torch.zeros(32, 1, 16)
+    v_cache = torch.arange(32.0)[:, None, None].expand(32, 1, 16).contiguous()
+    k_cache[5] = 1.0  # the one key the query favours
+    q = torch.full((1, 1, 16), 40.0)
+    table = torch.arange(32)[None]
+    got = native_attention.paged_attention_decode(q, k_cache, v_cache, table, torch.tensor([32]), 1.0)
+    want = attention.paged_attention_decode(q, k_cache, v_cache, table, torch.tensor([32]), 1.0)
+    torch.testing.assert_close(got, want)
+    assert got[0, 0, 0].item() == pytest.approx(5.0)
+
+
+def test_decode_attention_refuses_a_slot_outside_the_pool() -> None:
+    k_cache = torch.randn(32, 2, 16)
+    q = torch.randn(2, 4, 16)
+    table = torch.tensor([[0, 1, 2, 3], [4, 5, 32, 7]])
+    with pytest.raises(ValueError, match="outside the pool's 32"):
+        dispatch.paged_attention_decode(q, k_cache, k_cache, table, torch.tensor([4, 3]), 0.25)
+    table[1, 2] = -1
+    with pytest.raises(ValueError, match="outside the pool's 32"):
+        dispatch.paged_attention_decode(q, k_cache, k_cache, table, torch.tensor([4, 4]), 0.25)
+    # Slots past a sequence's length are never read, so they may be anything.
+    out = dispatch.paged_attention_decode(q, k_cache, k_cache, table, torch.tensor([4, 2]), 0.25)
+    assert torch.isfinite(out).all()
+
+
+def _projection_views(gen: torch.Generator, batch: int, heads: int, head_dim: int, groups: int, n: int):
+    """x, dt, B, C as the model has them: views into the rows of one projection's output."""
+    widths = [heads * head_dim, groups * n, groups * n, heads]
+    out = torch.randn(batch, sum(widths) + 5, generator=gen)
+    x, b, c, dt, _ = out.split([*widths, 5], dim=-1)
+    return x.reshape(batch, heads, head_dim), dt, b.reshape(batch, groups, n), c.reshape(batch, groups, n)
+
+
+@pytest.mark.parametrize(
+    ("heads", "head_dim", "groups", "n", "bias", "softplus", "limit", "skip"),
+    [
+        (16, 64, 2, 64, True, True, (0.0, math.inf), True),
+        (4, 8, 1, 16, False, True, (0.0, math.inf), False),
+        (6, 12, 3, 8, True, False, (0.0, math.inf), True),
+        (8, 16, 2, 32, True, True, (0.01, 0.5), True),
+    ],
+)
+def test_state_update_matches_reference(heads, head_dim, groups, n, bias, softplus, limit, skip) -> None:
+    gen = torch.Generator().manual_seed(heads * head_dim + n)
+    batch = 5
+    x, dt, B, C = _projection_views(gen, batch, heads, head_dim, groups, n)
+    A = -torch.rand(heads, generator=gen) * 4
+    D = torch.randn(heads, generator=gen) if skip else None
+    dt_bias = torch.randn(heads, generator=gen) if bias else None
+    state = torch.randn(batch, heads, head_dim, n, generator=gen)
+    want_state = state.clone()
+    want = ssd.selective_state_update(want_state, x, dt, A, B, C, D, dt_bias, softplus, limit)
+    got = native_ssd.selective_state_update(state, x, dt, A, B, C, D, dt_bias, softplus, limit)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("width", "bias", "activation"), [(4, True, "silu"), (2, False, None), (1, True, "silu")])
+def test_conv_update_matches_reference(width: int, bias: bool, activation: str | None) -> None:
+    gen = torch.Generator().manual_seed(width)
+    batch, channels = 3, 40
+    rows = torch.randn(batch, channels + 7, generator=gen)
+    x = rows[:, 3 : 3 + channels]  # rows lie apart, as a projection's split does
+    weight = torch.randn(channels, width, generator=gen)
+    b = torch.randn(channels, generator=gen) if bias else None
+    state = torch.randn(batch, channels, width - 1, generator=gen)
+    want_state = state.clone()
+    want = conv1d.causal_conv1d_update(x, want_state, weight, b, activation)
+    got = native_conv1d.causal_conv1d_update(x, state, weight, b, activation)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(state, want_state)  # the window shift is exact
+
+
+def test_dispatch_takes_native_on_cpu_and_the_reference_when_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    real = native_ssd.selective_state_update
+    monkeypatch.setattr(native_ssd, "selective_state_update", lambda *a: calls.append("native") or real(*a))
+    gen = torch.Generator().manual_seed(0)
+    x, dt, B, C = _projection_views(gen, 2, 4, 8, 2, 8)
+    args = (torch.zeros(2, 4, 8, 8), x, dt, -torch.ones(4), B, C)
+    for mode, expected in ((None, ["native"]), ("native", ["native"]), ("reference", [])):
+        if mode is None:
+            monkeypatch.delenv(dispatch.KERNELS_ENV, raising=False)
+        else:
+            monkeypatch.setenv(dispatch.KERNELS_ENV, mode)
+        dispatch.kernels_mode.cache_clear()
+        calls.clear()
+        dispatch.selective_state_update(*args)
+        assert calls == expected, mode
+    dispatch.kernels_mode.cache_clear()
+    # A dtype the native kernel does not take goes to the reference.
+    monkeypatch.delenv(dispatch.KERNELS_ENV)
+    calls.clear()
+    dispatch.selective_state_update(*(t.double() for t in args))
+    assert calls == []
+    dispatch.kernels_mode.cache_clear()
+
+
+def test_dispatch_checks_arguments_as_the_reference_does() -> None:
+    with pytest.raises(ValueError, match=r"state must be \[Bt=2, H=4, P=8, N=8\]"):
+        dispatch.selective_state_update(
+            torch.zeros(2, 4, 8, 9), torch.zeros(2, 4, 8), torch.zeros(2, 4), -torch.ones(4),
+            torch.zeros(2, 2, 8), torch.zeros(2, 2, 8),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"conv_state must be \[B=1, D=4, K-1=3\]"):
+        dispatch.causal_conv1d_update(torch.zeros(1, 4), torch.zeros(1, 4, 2), torch.zeros(4, 4), None)
+    with pytest.raises(ValueError, match=r"seq_lens must be in \[1, max_len=2\]"):
+        dispatch.paged_attention_decode(
+            torch.zeros(1, 2, 4), torch.zeros(8, 1, 4), torch.zeros(8, 1, 4), torch.zeros(1, 2, dtype=torch.int64),
+            torch.tensor([3]), 1.0,
+        )  # fmt: skip
+
+
+def test_build_is_cached_and_a_failed_compiler_keeps_the_reference(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "a"))
+    build.native_build.cache_clear()
+    try:
+        first = build.native_build()
+        assert first.library is not None, first.detail
+        built = list((tmp_path / "a").glob("*.so"))
+        assert len(built) == 1 and built[0].name in first.detail
+        stamp = built[0].stat().st_mtime_ns
+        build.native_build.cache_clear()
+        again = build.native_build()  # a second process: loads the file, compiles nothing
+        assert again.detail == first.detail and built[0].stat().st_mtime_ns == stamp
+
+        monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "b"))
+        monkeypatch.setenv("CC", "false")  # a compiler that fails every time
+        build.native_build.cache_clear()
+        failed = build.native_build()
+        assert failed.library is None and failed.detail.startswith("not built")
+        assert not list((tmp_path / "b").glob("*"))  # no half-written library left behind
+        monkeypatch.setenv(dispatch.KERNELS_ENV, "native")
+        dispatch.kernels_mode.cache_clear()
+        with pytest.raises(RuntimeError, match="HIMAMBA_KERNELS=native but the native kernels are not built"):
+            dispatch.uses_native(torch.zeros(1))
+        monkeypatch.delenv(dispatch.KERNELS_ENV)
+        dispatch.kernels_mode.cache_clear()
+        assert not dispatch.uses_native(torch.zeros(1))  # auto: the reference
+    finally:
+        monkeypatch.undo()
+        build.native_build.cache_clear()
+        dispatch.kernels_mode.cache_clear()
