@@ -112,8 +112,7 @@ def causal_conv1d_update(
     """One decode step of the conv, updating conv_state in place; see `reference.conv1d`."""
     if uses_triton(x):
         return _twin("conv1d").causal_conv1d_update(x, conv_state, weight, bias, activation)
-    if uses_native(x) and _native_conv1d.supports(x, conv_state, weight, bias):
-        _conv1d.check_update_args(x, conv_state, weight, bias, activation)
+    if uses_native(x) and _native_conv1d.supports_update(x, conv_state, weight, bias):
         return _native_conv1d.causal_conv1d_update(x, conv_state, weight, bias, activation)
     return _conv1d.causal_conv1d_update(x, conv_state, weight, bias, activation)
 
@@ -134,6 +133,8 @@ def ssd_scan(
     """Mamba2 chunked scan (prefill); see `reference.ssd.ssd_scan`."""
     if uses_triton(x):
         return _twin("ssd").ssd_scan(x, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit, initial_state)
+    if uses_native(x) and _native_ssd.supports_scan(x, dt, A, B, C, D, dt_bias, initial_state):
+        return _native_ssd.ssd_scan(x, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit, initial_state)
     return _ssd.ssd_scan(x, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit, initial_state)
 
 
@@ -152,9 +153,7 @@ def selective_state_update(
     """One decode step of the Mamba2 recurrence, updating state in place; see `reference.ssd`."""
     if uses_triton(x):
         return _twin("ssd").selective_state_update(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit)
-    if uses_native(x) and _native_ssd.supports(state, x, dt, A, B, C, D, dt_bias):
-        _ssd.check_state_update_args(state, x, dt, A, B, C, D, dt_bias)
-        _ssd.check_dt_limit(dt_limit)
+    if uses_native(x) and _native_ssd.supports_state_update(state, x, dt, A, B, C, D, dt_bias):
         return _native_ssd.selective_state_update(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit)
     return _ssd.selective_state_update(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit)
 
@@ -188,8 +187,7 @@ def paged_attention_decode(
     """Attention of one new token per sequence over the paged pool; see `reference.attention`."""
     if uses_triton(q):
         return _twin("attention").paged_attention_decode(q, k_cache, v_cache, slot_table, seq_lens, scale)
-    if uses_native(q) and _native_attention.supports(q, k_cache, v_cache):
-        _attention.check_decode_args(q, k_cache, v_cache, slot_table, seq_lens)
+    if uses_native(q) and _native_attention.supports_decode(q, k_cache, v_cache):
         return _native_attention.paged_attention_decode(q, k_cache, v_cache, slot_table, seq_lens, scale)
     return _attention.paged_attention_decode(q, k_cache, v_cache, slot_table, seq_lens, scale)
 

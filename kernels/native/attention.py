@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..reference.attention import check_decode_args
 from .build import native_build
 
 
-def supports(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
-    """Whether `paged_attention_decode` takes these tensors: float32 on the CPU, a contiguous pool."""
+def supports_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
+    """Whether `paged_attention_decode` takes these tensors: float32, a contiguous pool."""
     return (
         q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
         and k_cache.is_contiguous()
@@ -20,7 +21,9 @@ def supports(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
 def paged_attention_decode(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, slot_table: Tensor, seq_lens: Tensor, scale: float
 ) -> Tensor:
-    """As `reference.attention.paged_attention_decode`, whose argument checks the caller has run."""
+    """As `reference.attention.paged_attention_decode` for float32 CPU tensors; a slot outside the
+    pool is a ValueError (nothing is read from it)."""
+    check_decode_args(q, k_cache, v_cache, slot_table, seq_lens)
     library = native_build().library
     assert library is not None
     q = q.contiguous()

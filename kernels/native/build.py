@@ -31,8 +31,10 @@ log = logging.getLogger(__name__)
 
 CACHE_ENV = "HIMAMBA_NATIVE_CACHE"
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
-# -fno-math-errno: expf / log1pf may then inline; no -ffast-math, so sums keep their order and NaNs stay NaNs.
-FLAGS = ("-O3", "-march=native", "-std=c11", "-fPIC", "-shared", "-fno-math-errno", "-fno-semantic-interposition")
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
+# -ffp-contract=fast: a * b + c becomes one fused multiply-add (ISO C modes leave them apart, half the
+# rate); -fno-math-errno: expf / log1pf may inline; no -ffast-math, so sums keep their order and NaNs stay NaNs.
+FLAGS = ("-O3", "-march=native", "-std=c11", "-ffp-contract=fast", "-fPIC", "-shared", "-fno-math-errno", "-fno-semantic-interposition")
 # With OpenMP the kernels' parallel loops join the process's OpenMP runtime (torch's libgomp is
 # already loaded, and the library's libgomp.so.1 resolves to it), so they honour torch's thread count.
 OPENMP = "-fopenmp"
@@ -46,6 +48,12 @@ SIGNATURES: dict[str, tuple[tuple[type, ...], type | None]] = {
         None,
     ),
     "hm_conv_update_f32": ((_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64), None),
+    "hm_ssd_scan_f32": (
+        (_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _F32, _F32, _I64)
+        + (_PTR,) * 3
+        + (_I64,) * 7,
+        _I64,
+    ),
 }
 
 
@@ -122,7 +130,7 @@ def native_build() -> NativeBuild:
         return NativeBuild(None, f"not built: {cc} --version failed: {e}")
     compiler = version.splitlines()[0] if version else cc
     digest = hashlib.sha256()
-    for part in (*[s.read_bytes() for s in SOURCES], " ".join(FLAGS).encode(), version.encode(), _cpu_signature().encode()):
+    for part in (*[s.read_bytes() for s in SOURCES + HEADERS], " ".join(FLAGS).encode(), version.encode(), _cpu_signature().encode()):
         digest.update(part)
         digest.update(b"\0")
     out_dir = cache_dir()

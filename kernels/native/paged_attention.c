@@ -14,36 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* 16 floats; aligned(4) makes every load and store through it an unaligned one. */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-
-/* exp(x) for x <= 0 (a score minus its row's maximum), 16 at a time: Cody-Waite reduction and
- * Cephes' degree-6 expf polynomial (within 2 ulp). libm's expf is one call per score, which made
- * the softmax as costly as the two products. */
-static inline v16 exp16(v16 x) {
-    const v16i below = x < -87.0f; /* all ones where true: there the clamped value is taken */
-    x = (v16)((below & (v16i)(x - x - 87.0f)) | (~below & (v16i)x));
-    const v16 magic = x - x + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    const v16 n = (x * 1.44269504088896341f + magic) - magic;
-    const v16 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    v16 p = r - r + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return p * (v16)bits;
-}
-
-static inline float exp1(float x) {
-    v16 v = {0};
-    v[0] = x;
-    return exp16(v)[0];
-}
+#include "vector_math.h"
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     float s = 0.0f;

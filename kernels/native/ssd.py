@@ -1,4 +1,5 @@
-"""One decode step of Mamba2's recurrence in one pass over the state (see state_update.c)."""
+"""Mamba2's recurrence: the chunked scan of a prefill in one parallel region (chunk_scan.c), and one
+decode step in one pass over the state (state_update.c)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,81 @@ import math
 import torch
 from torch import Tensor
 
+from ..reference.ssd import ScanResult, check_dt_limit, check_scan_args, check_state_update_args, chunk_length
 from .build import native_build
 
 
-def _rows(t: Tensor) -> bool:
-    """Whether t [Bt, ...] is contiguous within each row (its rows may lie apart, as views into a projection)."""
-    return t[0].is_contiguous() if t.shape[0] > 0 else True
+def _float32(*tensors: Tensor | None) -> bool:
+    return all(t.dtype == torch.float32 for t in tensors if t is not None)
 
 
-def supports(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *others: Tensor | None) -> bool:
-    """Whether `selective_state_update` takes these tensors: all float32 on the CPU, the state contiguous."""
-    tensors = (state, x, dt, A, B, C, *(t for t in others if t is not None))
-    return all(t.dtype == torch.float32 for t in tensors) and state.is_contiguous()
+def _inner_contiguous(t: Tensor, dims: int) -> bool:
+    """Whether t's last `dims` dims are laid out contiguously (its outer dims may have any strides,
+    as views into the rows of one projection's output have)."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[-dims:]), reversed(t.stride()[-dims:]), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _clamps(dt_limit: tuple[float, float]) -> int:
+    return int(tuple(dt_limit) != (0.0, math.inf))
+
+
+def supports_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *others: Tensor | None) -> bool:
+    """Whether `ssd_scan` takes these tensors (float32, the ones it reads and the initial state)."""
+    return _float32(x, dt, A, B, C, *others)
+
+
+def ssd_scan(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    D: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    initial_state: Tensor | None = None,
+) -> ScanResult:
+    """As `reference.ssd.ssd_scan` (the same chunks, checks and result) for float32 CPU tensors."""
+    check_scan_args(x, dt, A, B, C, chunk_size, D, dt_bias, initial_state)
+    check_dt_limit(dt_limit)
+    library = native_build().library
+    assert library is not None
+    batch, length, heads, head_dim = x.shape
+    groups, state_size = B.shape[2], B.shape[3]
+    y = x.new_empty(batch, length, heads, head_dim)
+    if length == 0:
+        final = x.new_zeros(batch, heads, head_dim, state_size) if initial_state is None else initial_state.clone()
+        return ScanResult(y, final)
+    x = x if _inner_contiguous(x, 2) else x.contiguous()
+    dt = dt if _inner_contiguous(dt, 1) else dt.contiguous()
+    if not (_inner_contiguous(B, 2) and _inner_contiguous(C, 2) and B.stride()[:2] == C.stride()[:2]):
+        B, C = B.contiguous(), C.contiguous()
+    A, D, dt_bias = A.contiguous(), None if D is None else D.contiguous(), None if dt_bias is None else dt_bias.contiguous()
+    init = None if initial_state is None else initial_state.contiguous()
+    final = x.new_empty(batch, heads, head_dim, state_size)
+    low, high = dt_limit
+    status = library.hm_ssd_scan_f32(
+        x.data_ptr(), x.stride(0), x.stride(1), dt.data_ptr(), dt.stride(0), dt.stride(1), A.data_ptr(),
+        B.data_ptr(), C.data_ptr(), B.stride(0), B.stride(1), None if D is None else D.data_ptr(),
+        None if dt_bias is None else dt_bias.data_ptr(), int(dt_softplus), low, high, _clamps(dt_limit),
+        None if init is None else init.data_ptr(), y.data_ptr(), final.data_ptr(), batch, length, heads,
+        head_dim, groups, state_size, chunk_length(length, chunk_size, x.device),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("ssd_scan: out of memory for the chunk products")
+    return ScanResult(y, final)
+
+
+def supports_state_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *others: Tensor | None) -> bool:
+    """Whether `selective_state_update` takes these tensors: float32, the state contiguous."""
+    return _float32(state, x, dt, A, B, C, *others) and state.is_contiguous()
 
 
 def selective_state_update(
@@ -28,12 +92,14 @@ def selective_state_update(
     A: Tensor,
     B: Tensor,
     C: Tensor,
-    D: Tensor | None,
-    dt_bias: Tensor | None,
-    dt_softplus: bool,
-    dt_limit: tuple[float, float],
+    D: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
 ) -> Tensor:
-    """As `reference.ssd.selective_state_update`, whose argument checks the caller has run."""
+    """As `reference.ssd.selective_state_update` (state updated in place) for float32 CPU tensors."""
+    check_state_update_args(state, x, dt, A, B, C, D, dt_bias)
+    check_dt_limit(dt_limit)
     library = native_build().library
     assert library is not None
     batch, heads, head_dim = x.shape
@@ -41,16 +107,16 @@ def selective_state_update(
     y = x.new_empty(batch, heads, head_dim)
     if batch == 0:
         return y
-    x = x if _rows(x) else x.contiguous()
-    dt = dt if _rows(dt) else dt.contiguous()
-    if not (_rows(B) and _rows(C) and B.stride(0) == C.stride(0)):
+    x = x if _inner_contiguous(x, 2) else x.contiguous()
+    dt = dt if _inner_contiguous(dt, 1) else dt.contiguous()
+    if not (_inner_contiguous(B, 2) and _inner_contiguous(C, 2) and B.stride(0) == C.stride(0)):
         B, C = B.contiguous(), C.contiguous()
     A, D, dt_bias = A.contiguous(), None if D is None else D.contiguous(), None if dt_bias is None else dt_bias.contiguous()
     low, high = dt_limit
     library.hm_ssd_state_update_f32(
         state.data_ptr(), x.data_ptr(), x.stride(0), dt.data_ptr(), dt.stride(0), A.data_ptr(), B.data_ptr(),
         C.data_ptr(), B.stride(0), None if D is None else D.data_ptr(),
-        None if dt_bias is None else dt_bias.data_ptr(), int(dt_softplus), low, high,
-        int((low, high) != (0.0, math.inf)), y.data_ptr(), batch, heads, head_dim, groups, state_size,
+        None if dt_bias is None else dt_bias.data_ptr(), int(dt_softplus), low, high, _clamps(dt_limit),
+        y.data_ptr(), batch, heads, head_dim, groups, state_size,
     )  # fmt: skip
     return y

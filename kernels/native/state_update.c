@@ -15,8 +15,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* torch's softplus (beta 1, threshold 20). */
-static float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); }
+#include "vector_math.h"
+
 
 void hm_ssd_state_update_f32(float *state, const float *x, int64_t x_stride, const float *dt, int64_t dt_stride,
                              const float *A, const float *Bm, const float *Cm, int64_t bc_stride, const float *D,

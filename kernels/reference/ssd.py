@@ -98,6 +98,43 @@ def _decay_to_later(log_decay: Tensor) -> Tensor:
     return seg.clamp_(_EXP_FLOOR, _EXP_CEIL).exp_()
 
 
+def check_scan_args(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    D: Tensor | None,
+    dt_bias: Tensor | None,
+    initial_state: Tensor | None,
+) -> None:
+    """Raise ValueError unless the arguments of `ssd_scan` fit together (every implementation checks them so)."""
+    if x.dim() != 4:
+        raise ValueError(f"x must be [Bt, L, H, P], got {tuple(x.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    batch, length, heads, head_dim = x.shape
+    if tuple(dt.shape) != (batch, length, heads):
+        raise ValueError(f"dt must be [Bt={batch}, L={length}, H={heads}], got {tuple(dt.shape)}")
+    if B.dim() != 4 or B.shape[:2] != (batch, length):
+        raise ValueError(f"B must be [Bt={batch}, L={length}, G, N], got {tuple(B.shape)}")
+    _check_heads(x, A, B, C, D, dt_bias)
+    state_shape = (batch, heads, head_dim, B.shape[3])
+    if initial_state is not None and tuple(initial_state.shape) != state_shape:
+        raise ValueError(f"initial_state must be {list(state_shape)}, got {tuple(initial_state.shape)}")
+
+
+def chunk_length(length: int, chunk_size: int, device: torch.device) -> int:
+    """The length of `ssd_scan`'s equal chunks for a segment of `length` tokens (> 0): at most
+    `chunk_size` (on CPU at most _CPU_CHUNK, faster there: the Q x Q decay work grows with Q), as few
+    chunks as that allows, and fewer than one chunk of padding."""
+    if device.type == "cpu":
+        chunk_size = min(chunk_size, _CPU_CHUNK)
+    chunks = -(-length // chunk_size)
+    return -(-length // chunks)
+
+
 def ssd_scan(
     x: Tensor,
     dt: Tensor,
@@ -118,20 +155,11 @@ def ssd_scan(
     `chunk_size` bounds the chunk length (on CPU, further capped at the fastest length there);
     the L tokens are cut into equal chunks. Chunking changes only float rounding, never the result.
     """
-    if x.dim() != 4:
-        raise ValueError(f"x must be [Bt, L, H, P], got {tuple(x.shape)}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    check_scan_args(x, dt, A, B, C, chunk_size, D, dt_bias, initial_state)
     batch, length, heads, head_dim = x.shape
-    if tuple(dt.shape) != (batch, length, heads):
-        raise ValueError(f"dt must be [Bt={batch}, L={length}, H={heads}], got {tuple(dt.shape)}")
-    if B.dim() != 4 or B.shape[:2] != (batch, length):
-        raise ValueError(f"B must be [Bt={batch}, L={length}, G, N], got {tuple(B.shape)}")
-    rep = _check_heads(x, A, B, C, D, dt_bias)
+    rep = heads // B.shape[2]
     groups, state_size = B.shape[2], B.shape[3]
     state_shape = (batch, heads, head_dim, state_size)
-    if initial_state is not None and tuple(initial_state.shape) != state_shape:
-        raise ValueError(f"initial_state must be {list(state_shape)}, got {tuple(initial_state.shape)}")
     state_dtype = torch.float32 if initial_state is None else initial_state.dtype
     if length == 0:
         final = x.new_zeros(state_shape, dtype=state_dtype) if initial_state is None else initial_state.clone()
@@ -139,13 +167,9 @@ def ssd_scan(
 
     dt = _process_dt(dt, dt_bias, dt_softplus, dt_limit)  # [b, L, h]
     x32 = x.float()
-    # Equal chunks of at most chunk_size: a short segment is one chunk of its own length, and a
-    # long one pads fewer than `chunks` tokens instead of up to a whole chunk. On CPU, chunks of
-    # at most _CPU_CHUNK tokens are faster still (the Q x Q decay work grows with Q).
-    if x.device.type == "cpu":
-        chunk_size = min(chunk_size, _CPU_CHUNK)
-    chunks = -(-length // chunk_size)
-    q = -(-length // chunks)
+    # Equal chunks: a long segment pads fewer than `chunks` tokens instead of up to a whole chunk.
+    q = chunk_length(length, chunk_size, x.device)
+    chunks = -(-length // q)
     padded = chunks * q
     # b batch, h head (= g group x r head within group), c chunk, l/s positions in a chunk,
     # p head dim, n state. Heads lead so that every product below is a plain batched matmul.

@@ -7,6 +7,9 @@ import torch
 
 from himamba.kernels import paged_attention_decode, paged_attention_prefill, write_kv
 
+# Each test runs on the PyTorch reference and on the native CPU kernel (tests/kernels/conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
 POOL = 300
 DH = 16
 

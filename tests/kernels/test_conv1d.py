@@ -8,6 +8,9 @@ import torch.nn.functional as F
 
 from himamba.kernels import ConvResult, causal_conv1d, causal_conv1d_update
 
+# Each test runs on the PyTorch reference and on the native CPU kernel (tests/kernels/conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
 
 def naive_conv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor | None, activation: str | None

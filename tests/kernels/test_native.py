@@ -126,6 +126,59 @@ def test_conv_update_matches_reference(width: int, bias: bool, activation: str |
     assert torch.equal(state, want_state)  # the window shift is exact
 
 
+def _scan_inputs(gen: torch.Generator, batch: int, length: int, heads: int, head_dim: int, groups: int, n: int):
+    """x, dt, B, C [Bt, L, ...] as views into the rows of one projection's output, as the model has them."""
+    widths = [heads * head_dim, groups * n, groups * n, heads]
+    out = torch.randn(batch, length, sum(widths) + 3, generator=gen)
+    x, b, c, dt, _ = out.split([*widths, 3], dim=-1)
+    return (
+        x.reshape(batch, length, heads, head_dim),
+        dt,
+        b.reshape(batch, length, groups, n),
+        c.reshape(batch, length, groups, n),
+    )
+
+
+@pytest.mark.parametrize(
+    ("batch", "length", "heads", "head_dim", "groups", "n", "chunk", "initial", "bias", "softplus", "limit"),
+    [
+        (1, 512, 16, 64, 2, 64, 128, False, True, True, (0.0, math.inf)),  # the medium preset's prefill
+        (2, 100, 4, 8, 2, 16, 64, True, False, True, (0.0, math.inf)),  # two equal chunks of 50
+        (1, 7, 6, 12, 3, 8, 64, True, True, False, (0.0, math.inf)),  # shorter than a chunk
+        (1, 1, 4, 16, 1, 16, 64, True, True, True, (0.01, 0.5)),  # one token, dt clamped
+        (1, 300, 8, 20, 2, 24, 32, True, True, True, (0.0, 0.1)),  # sizes off the vector width
+    ],
+)
+def test_scan_matches_reference(batch, length, heads, head_dim, groups, n, chunk, initial, bias, softplus, limit) -> None:
+    gen = torch.Generator().manual_seed(length * 7 + heads)
+    x, dt, B, C = _scan_inputs(gen, batch, length, heads, head_dim, groups, n)
+    A = -torch.rand(heads, generator=gen) * 3
+    D = torch.randn(heads, generator=gen)
+    dt_bias = torch.randn(heads, generator=gen) if bias else None
+    init = torch.randn(batch, heads, head_dim, n, generator=gen) if initial else None
+    kept = None if init is None else init.clone()
+    want = ssd.ssd_scan(x, dt, A, B, C, chunk, D, dt_bias, softplus, limit, init)
+    got = native_ssd.ssd_scan(x, dt, A, B, C, chunk, D, dt_bias, softplus, limit, init)
+    scale = want.y.abs().max()
+    torch.testing.assert_close(got.y / scale, want.y / scale, rtol=0, atol=2e-6)
+    torch.testing.assert_close(got.final_state, want.final_state, rtol=1e-5, atol=1e-5)
+    if init is not None:
+        assert torch.equal(init, kept)  # the initial state is read, never written
+
+
+def test_scan_split_and_chained_equals_one_call() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x, dt, B, C = _scan_inputs(gen, 1, 200, 4, 16, 2, 16)
+    A = -torch.rand(4, generator=gen)
+    whole = native_ssd.ssd_scan(x, dt, A, B, C, 64)
+    first = native_ssd.ssd_scan(x[:, :77], dt[:, :77], A, B[:, :77], C[:, :77], 64)
+    second = native_ssd.ssd_scan(
+        x[:, 77:], dt[:, 77:], A, B[:, 77:], C[:, 77:], 64, initial_state=first.final_state
+    )
+    torch.testing.assert_close(torch.cat([first.y, second.y], dim=1), whole.y, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(second.final_state, whole.final_state, rtol=1e-4, atol=1e-5)
+
+
 def test_dispatch_takes_native_on_cpu_and_the_reference_when_told(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     real = native_ssd.selective_state_update

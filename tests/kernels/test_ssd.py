@@ -11,6 +11,9 @@ import torch.nn.functional as F
 
 from himamba.kernels import ScanResult, selective_state_update, ssd_scan
 
+# Each test runs on the PyTorch reference and on the native CPU kernel (tests/kernels/conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
 NO_LIMIT = (0.0, math.inf)
 
 

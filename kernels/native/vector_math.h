@@ -1,0 +1,117 @@
+/* Shared by the native kernels: 16-float vectors (GCC/Clang vector extensions, compiled for this
+ * CPU by -march=native), a vectorised exp for non-positive arguments, and a small row-major GEMM. */
+#ifndef HIMAMBA_VECTOR_MATH_H
+#define HIMAMBA_VECTOR_MATH_H
+
+#include <math.h>
+#include <stdint.h>
+
+/* 16 floats; aligned(4) makes every load and store through it an unaligned one. */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+
+/* exp(x), 16 at a time, with x clamped to [-87, 80] first (as the PyTorch scans clamp their decay
+ * exponents): Cody-Waite reduction and Cephes' degree-6 expf polynomial, within 2 ulp. libm's
+ * expf is one call per element. */
+static inline v16 exp16(v16 x) {
+    const v16i below = x < -87.0f, above = x > 80.0f; /* all ones where true */
+    x = (v16)((below & (v16i)(x - x - 87.0f)) | (above & (v16i)(x - x + 80.0f)) | (~(below | above) & (v16i)x));
+    const v16 magic = x - x + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    const v16 n = (x * 1.44269504088896341f + magic) - magic;
+    const v16 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    v16 p = r - r + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+    return p * (v16)bits;
+}
+
+/* torch's softplus (beta 1, threshold 20). */
+static inline float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); }
+
+static inline float exp1(float x) {
+    v16 v = {0};
+    v[0] = x;
+    return exp16(v)[0];
+}
+
+/* dst[i] = exp(src[i]) (clamped as exp16). */
+static inline void exp_rows(const float *src, float *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) *(v16 *)(dst + i) = exp16(*(const v16 *)(src + i));
+    for (; i < n; i++) dst[i] = exp1(src[i]);
+}
+
+/* C[m x n] = A[m x k] @ B[k x n] (or += when `accumulate`), all row-major with leading dims.
+ * Four rows of C at a time, their columns in registers while k runs; sizes need not be multiples
+ * of anything. For the scans' 64 x 64 x 64 products this runs near the machine's FMA rate. */
+static inline void gemm(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, int64_t m,
+                        int64_t n, int64_t k, int accumulate) {
+    int64_t i = 0;
+    for (; i + 4 <= m; i += 4) {
+        const float *a0 = A + i * lda, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+        float *c0 = C + i * ldc, *c1 = c0 + ldc, *c2 = c1 + ldc, *c3 = c2 + ldc;
+        int64_t j = 0;
+#ifdef __AVX512F__
+        for (; j + 32 <= n; j += 32) {
+            v16 s00 = {0}, s01 = {0}, s10 = {0}, s11 = {0}, s20 = {0}, s21 = {0}, s30 = {0}, s31 = {0};
+            for (int64_t p = 0; p < k; p++) {
+                const v16 b0 = *(const v16 *)(B + p * ldb + j), b1 = *(const v16 *)(B + p * ldb + j + 16);
+                s00 += a0[p] * b0, s01 += a0[p] * b1;
+                s10 += a1[p] * b0, s11 += a1[p] * b1;
+                s20 += a2[p] * b0, s21 += a2[p] * b1;
+                s30 += a3[p] * b0, s31 += a3[p] * b1;
+            }
+            if (accumulate) {
+                s00 += *(v16 *)(c0 + j), s01 += *(v16 *)(c0 + j + 16), s10 += *(v16 *)(c1 + j);
+                s11 += *(v16 *)(c1 + j + 16), s20 += *(v16 *)(c2 + j), s21 += *(v16 *)(c2 + j + 16);
+                s30 += *(v16 *)(c3 + j), s31 += *(v16 *)(c3 + j + 16);
+            }
+            *(v16 *)(c0 + j) = s00, *(v16 *)(c0 + j + 16) = s01, *(v16 *)(c1 + j) = s10;
+            *(v16 *)(c1 + j + 16) = s11, *(v16 *)(c2 + j) = s20, *(v16 *)(c2 + j + 16) = s21;
+            *(v16 *)(c3 + j) = s30, *(v16 *)(c3 + j + 16) = s31;
+        }
+#endif
+        for (; j + 16 <= n; j += 16) {
+            v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+            for (int64_t p = 0; p < k; p++) {
+                const v16 b = *(const v16 *)(B + p * ldb + j);
+                s0 += a0[p] * b, s1 += a1[p] * b, s2 += a2[p] * b, s3 += a3[p] * b;
+            }
+            if (accumulate) s0 += *(v16 *)(c0 + j), s1 += *(v16 *)(c1 + j), s2 += *(v16 *)(c2 + j), s3 += *(v16 *)(c3 + j);
+            *(v16 *)(c0 + j) = s0, *(v16 *)(c1 + j) = s1, *(v16 *)(c2 + j) = s2, *(v16 *)(c3 + j) = s3;
+        }
+        for (; j < n; j++) {
+            float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+            for (int64_t p = 0; p < k; p++) {
+                const float b = B[p * ldb + j];
+                s0 += a0[p] * b, s1 += a1[p] * b, s2 += a2[p] * b, s3 += a3[p] * b;
+            }
+            if (accumulate) s0 += c0[j], s1 += c1[j], s2 += c2[j], s3 += c3[j];
+            c0[j] = s0, c1[j] = s1, c2[j] = s2, c3[j] = s3;
+        }
+    }
+    for (; i < m; i++) {
+        const float *a = A + i * lda;
+        float *c = C + i * ldc;
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16) {
+            v16 s = {0};
+            for (int64_t p = 0; p < k; p++) s += a[p] * *(const v16 *)(B + p * ldb + j);
+            if (accumulate) s += *(v16 *)(c + j);
+            *(v16 *)(c + j) = s;
+        }
+        for (; j < n; j++) {
+            float s = 0;
+            for (int64_t p = 0; p < k; p++) s += a[p] * B[p * ldb + j];
+            c[j] = accumulate ? c[j] + s : s;
+        }
+    }
+}
+
+#endif
