@@ -26,6 +26,7 @@ from torch import Tensor
 
 from .native import attention as _native_attention
 from .native import conv1d as _native_conv1d
+from .native import norm as _native_norm
 from .native import ssd as _native_ssd
 from .native.build import native_build
 from .reference import attention as _attention
@@ -99,6 +100,8 @@ def causal_conv1d(
     """Causal depthwise conv of a segment; see `reference.conv1d.causal_conv1d`."""
     if uses_triton(x):
         return _twin("conv1d").causal_conv1d(x, weight, bias, initial_state, activation)
+    if uses_native(x) and _native_conv1d.supports(x, weight, bias, initial_state):
+        return _native_conv1d.causal_conv1d(x, weight, bias, initial_state, activation)
     return _conv1d.causal_conv1d(x, weight, bias, initial_state, activation)
 
 
@@ -162,6 +165,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, multiply_in_float32: bool = 
     """RMSNorm over the last dim; see `reference.norm.rms_norm` for `multiply_in_float32`."""
     if uses_triton(x):
         return _twin("norm").rms_norm(x, weight, eps, multiply_in_float32)
+    if uses_native(x) and _native_norm.supports(x, weight):
+        return _native_norm.rms_norm(x, weight, eps, multiply_in_float32)
     return _norm.rms_norm(x, weight, eps, multiply_in_float32)
 
 
@@ -169,6 +174,8 @@ def gated_rms_norm(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, g
     """Gated, grouped RMSNorm of Mamba2 mixers; see `reference.norm.gated_rms_norm`."""
     if uses_triton(x):
         return _twin("norm").gated_rms_norm(x, gate, weight, eps, group_size)
+    if uses_native(x) and _native_norm.supports(x, weight, gate):
+        return _native_norm.gated_rms_norm(x, gate, weight, eps, group_size)
     return _norm.gated_rms_norm(x, gate, weight, eps, group_size)
 
 

@@ -48,6 +48,9 @@ SIGNATURES: dict[str, tuple[tuple[type, ...], type | None]] = {
         None,
     ),
     "hm_conv_update_f32": ((_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64), None),
+    "hm_rms_norm_f32": ((_PTR, _I64, _PTR, _F32, _PTR, _I64, _I64), None),
+    "hm_gated_rms_norm_f32": ((_PTR, _I64, _PTR, _I64, _PTR, _F32, _I64, _PTR, _I64, _I64), None),
+    "hm_conv_scan_f32": ((_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64), _I64),
     "hm_ssd_scan_f32": (
         (_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _F32, _F32, _I64)
         + (_PTR,) * 3

@@ -1,12 +1,48 @@
-"""One decode step of the causal depthwise conv in one pass over each window (see conv_update.c)."""
+"""The causal depthwise conv: a prefill segment with its activation in one pass (conv_scan.c), and one
+decode step in one pass over each window (conv_update.c)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from ..reference.conv1d import check_update_args
+from ..reference.conv1d import ConvResult, check_args, check_update_args
 from .build import native_build
+
+
+def supports(x: Tensor, weight: Tensor, bias: Tensor | None, initial_state: Tensor | None) -> bool:
+    """Whether `causal_conv1d` takes these tensors: float32, x time-major (its channels contiguous,
+    as a projection's rows seen as [B, D, L] are)."""
+    tensors = (x, weight, *(t for t in (bias, initial_state) if t is not None))
+    return all(t.dtype == torch.float32 for t in tensors) and (x.stride(1) == 1 or x.shape[1] == 1)
+
+
+def causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    initial_state: Tensor | None,
+    activation: str | None = "silu",
+) -> ConvResult:
+    """As `reference.conv1d.causal_conv1d` for float32 CPU tensors with time-major x; `out` is a
+    [B, D, L] view of a time-major [B, L, D] tensor (as the reference's time-major path returns)."""
+    width = check_args(x, weight, bias, initial_state, activation)
+    library = native_build().library
+    assert library is not None
+    batch, channels, length = x.shape
+    out = x.new_empty(batch, length, channels)
+    final = x.new_empty(batch, channels, width - 1)
+    weight = weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    init = None if initial_state is None else initial_state.contiguous()
+    status = library.hm_conv_scan_f32(
+        x.data_ptr(), x.stride(0), x.stride(2), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+        None if init is None else init.data_ptr(), int(activation == "silu"), out.data_ptr(), final.data_ptr(),
+        batch, length, channels, width,
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("causal_conv1d: out of memory for the taps")
+    return ConvResult(out.transpose(1, 2), final)
 
 
 def supports_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None) -> bool:

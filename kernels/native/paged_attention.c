@@ -23,11 +23,6 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-static inline v8 fold(v16 a) {
-    return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-}
-
 /* The four rows a[0..3] (`stride` apart) · b, for lengths that are a multiple of 16: four 16-lane
  * partial sums folded together, instead of folding each product's 16 lanes on its own. */
 static inline void dot4(const float *a, int64_t stride, const float *b, int64_t n, float *out) {

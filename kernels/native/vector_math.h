@@ -40,6 +40,12 @@ static inline float exp1(float x) {
     return exp16(v)[0];
 }
 
+/* The 16 lanes of a folded onto 8: lanes i and i + 8 added. */
+static inline v8 fold(v16 a) {
+    return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
 /* dst[i] = exp(src[i]) (clamped as exp16). */
 static inline void exp_rows(const float *src, float *dst, int64_t n) {
     int64_t i = 0;

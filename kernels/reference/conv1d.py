@@ -37,6 +37,23 @@ def _check_weight(weight: Tensor, bias: Tensor | None, channels: int) -> int:
     return weight.shape[1]
 
 
+def check_args(
+    x: Tensor, weight: Tensor, bias: Tensor | None, initial_state: Tensor | None, activation: str | None
+) -> int:
+    """Raise ValueError unless the arguments of `causal_conv1d` fit together (every implementation
+    checks them so); return the kernel width K."""
+    _check_activation(activation)
+    if x.dim() != 3:
+        raise ValueError(f"x must be [B, D, L], got {tuple(x.shape)}")
+    batch, channels, _ = x.shape
+    width = _check_weight(weight, bias, channels)
+    if initial_state is not None and tuple(initial_state.shape) != (batch, channels, width - 1):
+        raise ValueError(
+            f"initial_state must be [B={batch}, D={channels}, K-1={width - 1}], got {tuple(initial_state.shape)}"
+        )
+    return width
+
+
 def causal_conv1d(
     x: Tensor,
     weight: Tensor,
@@ -49,17 +66,10 @@ def causal_conv1d(
     Computed in weight's dtype (as transformers does); `out` is returned in x's dtype and
     `final_state` in initial_state's dtype (x's when there is none). L may be shorter than K-1.
     """
-    _check_activation(activation)
-    if x.dim() != 3:
-        raise ValueError(f"x must be [B, D, L], got {tuple(x.shape)}")
+    width = check_args(x, weight, bias, initial_state, activation)
     batch, channels, length = x.shape
-    width = _check_weight(weight, bias, channels)
     if initial_state is None:
         initial_state = x.new_zeros(batch, channels, width - 1)
-    elif tuple(initial_state.shape) != (batch, channels, width - 1):
-        raise ValueError(
-            f"initial_state must be [B={batch}, D={channels}, K-1={width - 1}], got {tuple(initial_state.shape)}"
-        )
     # Lower precisions keep F.conv1d, the path their parity was measured on.
     if x.stride(1) == 1 and length > 1 and weight.dtype == torch.float32:
         return _causal_conv1d_time_major(x, weight, bias, initial_state, activation)

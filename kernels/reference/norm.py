@@ -30,7 +30,7 @@ def _normalize(x32: Tensor, eps: float) -> Tensor:
 # passive waits: [512, 512] 98 -> 77 us; a NemotronH prefill of 512 tokens 1.026x, of 2048 tokens
 # 1.011x (A/B in one process). The mean square then differs from transformers' pow().mean() in
 # the last bits; below it (decode rows), where F.rms_norm's single call is faster, it is bit-identical.
-_ONE_REDUCTION_MIN_NUMEL = 1 << 15
+ONE_REDUCTION_MIN_NUMEL = 1 << 15
 
 
 def _inverse_rms(x32: Tensor, eps: float) -> Tensor:
@@ -48,7 +48,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, multiply_in_float32: bool = 
     """
     _check_weight(x, weight)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        if x.numel() >= _ONE_REDUCTION_MIN_NUMEL:
+        if x.numel() >= ONE_REDUCTION_MIN_NUMEL:
             return (x * _inverse_rms(x, eps)).mul_(weight)
         # The same arithmetic in one ATen call (x * rsqrt(mean(x^2) + eps) * weight): bit-identical.
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -58,18 +58,29 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, multiply_in_float32: bool = 
     return (weight * normed.to(x.dtype)).to(x.dtype)
 
 
-def gated_rms_norm(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, group_size: int) -> Tensor:
-    """x * silu(gate) (gate None: x alone), RMS-normalised over groups of `group_size` channels, times weight.
+def check_args(x: Tensor, weight: Tensor) -> None:
+    """Raise ValueError unless the arguments of `rms_norm` fit together (every implementation checks them so)."""
+    _check_weight(x, weight)
 
-    x, gate: [..., D] with D % group_size == 0; returns x's dtype (cast before the weight multiply,
-    as transformers' MambaRMSNormGated, NemotronHRMSNormGated and GraniteMoeHybridRMSNormGated do).
-    """
+
+def check_gated_args(x: Tensor, gate: Tensor | None, weight: Tensor, group_size: int) -> None:
+    """Raise ValueError unless the arguments of `gated_rms_norm` fit together (every implementation checks them so)."""
     _check_weight(x, weight)
     width = x.shape[-1]
     if group_size < 1 or width % group_size != 0:
         raise ValueError(f"group_size must divide D={width}, got {group_size}")
     if gate is not None and gate.shape != x.shape:
         raise ValueError(f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
+
+
+def gated_rms_norm(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, group_size: int) -> Tensor:
+    """x * silu(gate) (gate None: x alone), RMS-normalised over groups of `group_size` channels, times weight.
+
+    x, gate: [..., D] with D % group_size == 0; returns x's dtype (cast before the weight multiply,
+    as transformers' MambaRMSNormGated, NemotronHRMSNormGated and GraniteMoeHybridRMSNormGated do).
+    """
+    check_gated_args(x, gate, weight, group_size)
+    width = x.shape[-1]
     if gate is None:
         u = x.float()
     else:
@@ -77,7 +88,7 @@ def gated_rms_norm(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, g
         u = F.silu(gate.float()).mul_(x)
     grouped = u.reshape(*x.shape[:-1], width // group_size, group_size)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        if x.numel() >= _ONE_REDUCTION_MIN_NUMEL:
+        if x.numel() >= ONE_REDUCTION_MIN_NUMEL:
             return (grouped * _inverse_rms(grouped, eps)).view(x.shape).mul_(weight)
         return F.rms_norm(grouped, (group_size,), None, eps).view(x.shape).mul_(weight)
     normed = _normalize(grouped, eps).reshape(x.shape)

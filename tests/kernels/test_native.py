@@ -11,8 +11,9 @@ from himamba.kernels import dispatch
 from himamba.kernels.native import attention as native_attention
 from himamba.kernels.native import build
 from himamba.kernels.native import conv1d as native_conv1d
+from himamba.kernels.native import norm as native_norm
 from himamba.kernels.native import ssd as native_ssd
-from himamba.kernels.reference import attention, conv1d, ssd
+from himamba.kernels.reference import attention, conv1d, norm, ssd
 
 pytestmark = pytest.mark.skipif(
     build.native_build().library is None, reason=f"native kernels {build.native_build().detail}"
@@ -124,6 +125,40 @@ def test_conv_update_matches_reference(width: int, bias: bool, activation: str |
     got = native_conv1d.causal_conv1d_update(x, state, weight, b, activation)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert torch.equal(state, want_state)  # the window shift is exact
+
+
+@pytest.mark.parametrize(
+    ("length", "channels", "width", "initial", "bias", "activation"),
+    [(512, 1280, 4, False, True, "silu"), (2, 40, 4, True, True, "silu"), (33, 21, 2, True, False, None), (5, 16, 1, False, True, "silu")],
+)
+def test_conv_over_a_segment_matches_reference(length, channels, width, initial, bias, activation) -> None:
+    """Time-major inputs (a projection's rows seen as [B, D, L]), segments shorter than the window too."""
+    gen = torch.Generator().manual_seed(length + channels)
+    rows = torch.randn(2, length, channels + 9, generator=gen)
+    x = rows[:, :, 4 : 4 + channels].transpose(1, 2)
+    weight = torch.randn(channels, width, generator=gen)
+    b = torch.randn(channels, generator=gen) if bias else None
+    init = torch.randn(2, channels, width - 1, generator=gen) if initial else None
+    want = conv1d.causal_conv1d(x, weight, b, init, activation)
+    got = native_conv1d.causal_conv1d(x, weight, b, init, activation)
+    torch.testing.assert_close(got.out, want.out, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.final_state, want.final_state)  # the carried window is copied, never computed
+
+
+@pytest.mark.parametrize(("rows", "width", "group", "gated"), [(1, 1024, 512, True), (512, 1024, 512, True), (7, 40, 8, True), (3, 24, 24, False)])
+def test_norms_match_reference(rows: int, width: int, group: int, gated: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * width)
+    projection = torch.randn(rows, width + 5, generator=gen)
+    gate = projection[:, 2 : 2 + width] if gated else None  # rows lie apart, as a projection's split does
+    x = torch.randn(rows, width, generator=gen) * 3
+    weight = torch.randn(width, generator=gen)
+    torch.testing.assert_close(
+        native_norm.gated_rms_norm(x, gate, weight, 1e-5, group),
+        norm.gated_rms_norm(x, gate, weight, 1e-5, group),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    torch.testing.assert_close(native_norm.rms_norm(x, weight, 1e-6), norm.rms_norm(x, weight, 1e-6), rtol=1e-5, atol=1e-5)
 
 
 def _scan_inputs(gen: torch.Generator, batch: int, length: int, heads: int, head_dim: int, groups: int, n: int):

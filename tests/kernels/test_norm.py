@@ -8,6 +8,9 @@ import torch.nn.functional as F
 
 from himamba.kernels import gated_rms_norm, rms_norm
 
+# Each test runs on the PyTorch reference and on the native CPU kernel (tests/kernels/conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
 
 def naive_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.double()
