@@ -185,6 +185,8 @@ def paged_attention_prefill(
     """Causal attention of one sequence's new tokens over the paged pool; see `reference.attention`."""
     if uses_triton(q):
         return _twin("attention").paged_attention_prefill(q, k_cache, v_cache, seq_slots, prefix_len, scale)
+    if uses_native(q) and _native_attention.supports(q, k_cache, v_cache):
+        return _native_attention.paged_attention_prefill(q, k_cache, v_cache, seq_slots, prefix_len, scale)
     return _attention.paged_attention_prefill(q, k_cache, v_cache, seq_slots, prefix_len, scale)
 
 
@@ -194,7 +196,7 @@ def paged_attention_decode(
     """Attention of one new token per sequence over the paged pool; see `reference.attention`."""
     if uses_triton(q):
         return _twin("attention").paged_attention_decode(q, k_cache, v_cache, slot_table, seq_lens, scale)
-    if uses_native(q) and _native_attention.supports_decode(q, k_cache, v_cache):
+    if uses_native(q) and _native_attention.supports(q, k_cache, v_cache):
         return _native_attention.paged_attention_decode(q, k_cache, v_cache, slot_table, seq_lens, scale)
     return _attention.paged_attention_decode(q, k_cache, v_cache, slot_table, seq_lens, scale)
 

@@ -1,16 +1,17 @@
-"""Decode attention over the paged KV pool, reading K/V rows in place (see paged_attention.c)."""
+"""Attention over the paged KV pool, reading K/V rows where they lie: a batch's decode step
+(paged_attention.c) and one sequence's prefill, flash style (prefill_attention.c)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from ..reference.attention import check_decode_args
+from ..reference.attention import check_decode_args, check_prefill_args
 from .build import native_build
 
 
-def supports_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
-    """Whether `paged_attention_decode` takes these tensors: float32, a contiguous pool."""
+def supports(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
+    """Whether the attention kernels take these tensors: float32, a contiguous pool."""
     return (
         q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
         and k_cache.is_contiguous()
@@ -41,4 +42,29 @@ def paged_attention_decode(
         raise ValueError(f"slot_table holds a slot outside the pool's {k_cache.shape[0]} (or a length out of range)")
     if status != 0:
         raise MemoryError("paged_attention_decode: out of memory for the scores")
+    return out
+
+
+def paged_attention_prefill(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_slots: Tensor, prefix_len: int, scale: float
+) -> Tensor:
+    """As `reference.attention.paged_attention_prefill` for float32 CPU tensors; a slot outside the
+    pool is a ValueError."""
+    check_prefill_args(q, k_cache, v_cache, seq_slots, prefix_len)
+    library = native_build().library
+    assert library is not None
+    q = q.contiguous()
+    seq_slots = seq_slots.contiguous()
+    tokens, q_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    if tokens == 0:
+        return out
+    status = library.hm_paged_attention_prefill_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seq_slots.data_ptr(), out.data_ptr(), tokens,
+        prefix_len, q_heads, k_cache.shape[1], head_dim, k_cache.shape[0], scale,
+    )  # fmt: skip
+    if status == -1:
+        raise ValueError(f"seq_slots holds a slot outside the pool's {k_cache.shape[0]}")
+    if status != 0:
+        raise MemoryError("paged_attention_prefill: out of memory for the blocks")
     return out

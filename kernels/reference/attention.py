@@ -32,15 +32,9 @@ def _check_index(name: str, t: Tensor, dims: int) -> None:
         raise ValueError(f"{name} must be a {dims}-d int64 tensor, got {t.dtype} {tuple(t.shape)}")
 
 
-def paged_attention_prefill(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_slots: Tensor, prefix_len: int, scale: float
-) -> Tensor:
-    """Causal attention of one sequence's new tokens q [T, Hq, Dh] over its whole context.
-
-    seq_slots [prefix_len + T] are the context's token slots in order; the new tokens' K/V must
-    already be written at the last T of them. New token i sees context positions 0..prefix_len+i.
-    Returns [T, Hq, Dh] in q's dtype.
-    """
+def check_prefill_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_slots: Tensor, prefix_len: int) -> None:
+    """Raise ValueError unless the arguments of `paged_attention_prefill` fit together (every
+    implementation checks them so)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [T, Hq, Dh], got {tuple(q.shape)}")
     new_len, q_heads, head_dim = q.shape
@@ -52,6 +46,19 @@ def paged_attention_prefill(
         raise ValueError(
             f"seq_slots must have prefix_len + T = {prefix_len + new_len} entries, got {seq_slots.shape[0]}"
         )
+
+
+def paged_attention_prefill(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_slots: Tensor, prefix_len: int, scale: float
+) -> Tensor:
+    """Causal attention of one sequence's new tokens q [T, Hq, Dh] over its whole context.
+
+    seq_slots [prefix_len + T] are the context's token slots in order; the new tokens' K/V must
+    already be written at the last T of them. New token i sees context positions 0..prefix_len+i.
+    Returns [T, Hq, Dh] in q's dtype.
+    """
+    check_prefill_args(q, k_cache, v_cache, seq_slots, prefix_len)
+    new_len = q.shape[0]
 
     # A leading batch dim of 1: torch's CPU flash kernel takes only 4-d inputs (3-d falls back to
     # the slower math path).

@@ -52,6 +52,30 @@ def test_decode_attention_matches_reference(q_heads: int, kv_heads: int, head_di
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("tokens", "prefix", "q_heads", "kv_heads", "head_dim"),
+    [(512, 0, 8, 2, 64), (37, 100, 6, 2, 24), (1, 0, 4, 4, 16), (70, 5, 8, 1, 64), (33, 64, 3, 3, 8), (100, 0, 12, 4, 128)],
+)
+def test_prefill_attention_matches_reference(tokens: int, prefix: int, q_heads: int, kv_heads: int, head_dim: int) -> None:
+    """Query blocks of 32 tokens and context blocks of 64, cut anywhere; a cached prefix or none."""
+    gen = torch.Generator().manual_seed(tokens + prefix)
+    slots_in_pool = 3 * (tokens + prefix) + 7
+    k_cache = torch.randn(slots_in_pool, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(slots_in_pool, kv_heads, head_dim, generator=gen)
+    seq_slots = torch.randperm(slots_in_pool, generator=gen)[: prefix + tokens]
+    q = torch.randn(tokens, q_heads, head_dim, generator=gen) * 2
+    scale = 1 / math.sqrt(head_dim)
+    want = attention.paged_attention_prefill(q, k_cache, v_cache, seq_slots, prefix, scale)
+    got = native_attention.paged_attention_prefill(q, k_cache, v_cache, seq_slots, prefix, scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_attention_refuses_a_slot_outside_the_pool() -> None:
+    k_cache = torch.randn(16, 1, 8)
+    with pytest.raises(ValueError, match="outside the pool's 16"):
+        native_attention.paged_attention_prefill(torch.randn(2, 2, 8), k_cache, k_cache, torch.tensor([3, 16]), 0, 1.0)
+
+
 def test_decode_attention_far_below_the_maximum_gets_zero_weight() -> None:
     """Scores hundreds below the row's maximum (exp underflows) weigh nothing, as in the reference."""
     k_cache = torch.zeros(32, 1, 16)
