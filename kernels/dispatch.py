@@ -85,6 +85,20 @@ def uses_native(x: Tensor) -> bool:
     return built.library is not None
 
 
+def describe_cpu_kernels() -> str:
+    """What CPU tensors run, in words (for logs and bench reports); builds the native library
+    first if this process has not yet."""
+    mode = kernels_mode()
+    if mode in ("reference", "triton"):
+        return f"{mode} ({KERNELS_ENV}={mode})"
+    built = native_build()
+    if built.library is None:
+        if mode == "native":
+            raise RuntimeError(f"{KERNELS_ENV}=native but the native kernels are {built.detail}")
+        return f"PyTorch reference (native kernels {built.detail})"
+    return f"native where one exists, else the PyTorch reference; {built.detail}"
+
+
 @functools.cache
 def _twin(family: str) -> ModuleType:
     return importlib.import_module(f"{__package__}.triton.{family}")

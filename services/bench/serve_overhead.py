@@ -38,6 +38,7 @@ from himamba.common.client import Client
 from himamba.common.config import Config
 from himamba.common.machine_info import describe_machine
 from himamba.common.openmp_wait import describe_openmp_wait, openmp_wait_env
+from himamba.kernels.dispatch import describe_cpu_kernels
 from himamba.services.bench.at_once import wall_seconds_at_once
 from himamba.services.bench.http_completions import complete_batch, served_model
 from himamba.services.bench.servers import free_port, start_server
@@ -167,8 +168,10 @@ def run(args: argparse.Namespace, out: Any) -> dict[str, Any]:
     machine = describe_machine(args.threads, "cpu")
     omp = describe_openmp_wait(os.environ)
     worker_wait = describe_openmp_wait(openmp_wait_env(os.environ, args.omp_spin))
+    kernels = describe_cpu_kernels()  # the server's worker has the same environment and cache
     out.write(
         f"{machine.line()}; OpenMP waits here: {omp}; the server's worker: {worker_wait}\n"
+        f"the server's CPU kernels: {kernels}\n"
         f"server overhead: {args.arch} {args.preset}, {args.prompt_len}-token prompts + {args.new_tokens} greedy tokens, "
         f"radix cache off, {args.threads} torch threads; medians [min-max] of {args.runs} runs\n"
     )
@@ -208,6 +211,7 @@ def run(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         "machine": machine._asdict(),
         "omp_wait_policy": omp,
         "server_worker_omp_wait": worker_wait,
+        "server_cpu_kernels": kernels,
         "peer_bindings": bindings,
         "options": _jsonable(vars(args)),
         "rows": rows,

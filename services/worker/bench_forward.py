@@ -43,6 +43,7 @@ from himamba.common.openmp_wait import USER_VARIABLES as OPENMP_WAIT_VARIABLES
 from himamba.common.openmp_wait import describe_openmp_wait, openmp_wait_env
 from himamba.common.types import SamplingParams
 from himamba.common.wire import tensor_frame, tensor_ref
+from himamba.kernels.dispatch import describe_cpu_kernels
 from himamba.services.modelgen.checkpoint import ARCHS, make_checkpoint
 from himamba.services.worker.bench_generate import (
     GenerateEngine,
@@ -87,6 +88,7 @@ class Machine:
     torch_version: str
     omp_wait_policy: str  # how idle OpenMP threads waited in this run (describe_openmp_wait)
     heap_reuse: str  # what reuse_heap did for this process (ours and transformers), as the worker does
+    cpu_kernels: str  # what ours runs on CPU tensors (describe_cpu_kernels): native kernels or the references
     matmul_flops_per_s: float  # in the bench dtype
     copy_bytes_per_s: float  # bytes read + written per second
 
@@ -121,6 +123,7 @@ def probe_machine(dtype: torch.dtype, threads: int, heap_reuse: str = "off") -> 
         torch_version=torch.__version__,
         omp_wait_policy=describe_openmp_wait(os.environ),
         heap_reuse=heap_reuse,
+        cpu_kernels=describe_cpu_kernels(),
         matmul_flops_per_s=flops,
         copy_bytes_per_s=2 * src.numel() * src.element_size() / copy_s,
     )
@@ -782,6 +785,7 @@ def _print_table(
         f"{machine.cores} cores, torch threads {machine.torch_threads}, "
         f"device {machine.device}, torch {machine.torch_version}, OpenMP waits: {machine.omp_wait_policy}, "
         f"heap reuse: {machine.heap_reuse}\n"
+        f"ours' CPU kernels: {machine.cpu_kernels}\n"
         f"limits (median of 3 probes): matmul {gflops:.1f} GFLOP/s ({opts.dtype}), "
         f"copy {gbs:.1f} GB/s (read+write)\n"
         f"model: {opts.arch} {opts.preset}, {cost.params / 1e6:.1f}M params, hidden {cfg.get('hidden_size')}, "

@@ -32,6 +32,7 @@ from himamba.common.messages import (
 from himamba.common.metrics import WORKER_STEP_TIME, WORKER_STEP_TOKENS
 from himamba.common.metrics_report import MetricsReporter
 from himamba.common.openmp_wait import describe_openmp_wait
+from himamba.kernels.dispatch import describe_cpu_kernels
 from himamba.common.runtime_dir import instance_dir
 from himamba.common.transport import Outbox
 from himamba.common.wire import WireError, tensor_ref
@@ -90,6 +91,8 @@ class WorkerService(Actor[ToWorker]):
             self.log.info("heap reuse: %s", heap.reason)
         if self.device.type == "cpu":
             self.log.info("OpenMP idle threads: %s", describe_openmp_wait(os.environ))
+            # Built (or loaded) here, before the first request, which would otherwise wait for the compiler.
+            self.log.info("CPU kernels: %s", describe_cpu_kernels())
         use_adaptive = cfg.model.adaptive_threads and self.device.type == "cpu"
         self.threads = StepThreads(torch.get_num_threads(), on_choice=self._log_thread_choice) if use_adaptive else None
         self._last: LastSampled | None = None  # what the last step sampled: a following step's inputs
