@@ -278,6 +278,18 @@ def test_dispatch_checks_arguments_as_the_reference_does() -> None:
         )  # fmt: skip
 
 
+def test_the_worker_says_what_cpu_tensors_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert dispatch.describe_cpu_kernels().startswith("native where one exists")
+    assert build.native_build().detail in dispatch.describe_cpu_kernels()
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "reference")
+    dispatch.kernels_mode.cache_clear()
+    try:
+        assert dispatch.describe_cpu_kernels() == "reference (HIMAMBA_KERNELS=reference)"
+    finally:
+        monkeypatch.delenv(dispatch.KERNELS_ENV)
+        dispatch.kernels_mode.cache_clear()
+
+
 def test_build_is_cached_and_a_failed_compiler_keeps_the_reference(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "a"))
     build.native_build.cache_clear()
@@ -304,6 +316,7 @@ def test_build_is_cached_and_a_failed_compiler_keeps_the_reference(tmp_path, mon
         monkeypatch.delenv(dispatch.KERNELS_ENV)
         dispatch.kernels_mode.cache_clear()
         assert not dispatch.uses_native(torch.zeros(1))  # auto: the reference
+        assert dispatch.describe_cpu_kernels().startswith("PyTorch reference (native kernels not built")
     finally:
         monkeypatch.undo()
         build.native_build.cache_clear()
