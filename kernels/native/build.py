@@ -34,7 +34,16 @@ SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 # -ffp-contract=fast: a * b + c becomes one fused multiply-add (ISO C modes leave them apart, half the
 # rate); -fno-math-errno: expf / log1pf may inline; no -ffast-math, so sums keep their order and NaNs stay NaNs.
-FLAGS = ("-O3", "-march=native", "-std=c11", "-ffp-contract=fast", "-fPIC", "-shared", "-fno-math-errno", "-fno-semantic-interposition")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-std=c11",
+    "-ffp-contract=fast",
+    "-fPIC",
+    "-shared",
+    "-fno-math-errno",
+    "-fno-semantic-interposition",
+)
 # With OpenMP the kernels' parallel loops join the process's OpenMP runtime (torch's libgomp is
 # already loaded, and the library's libgomp.so.1 resolves to it), so they honour torch's thread count.
 OPENMP = "-fopenmp"
@@ -43,8 +52,7 @@ _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 SIGNATURES: dict[str, tuple[tuple[type, ...], type | None]] = {
     "hm_paged_attention_decode_f32": ((_PTR,) * 6 + (_I64,) * 6 + (_F32,), _I64),
     "hm_ssd_state_update_f32": (
-        (_PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _F32, _F32, _I64, _PTR)
-        + (_I64,) * 5,
+        (_PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _F32, _F32, _I64, _PTR) + (_I64,) * 5,
         None,
     ),
     "hm_conv_update_f32": ((_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64), None),
@@ -94,21 +102,22 @@ def _cpu_signature() -> str:
 
 
 def _compile(cc: str, out: Path, flags: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
-    tmp = tempfile.NamedTemporaryFile(dir=out.parent, prefix=out.name + ".", suffix=".tmp", delete=False)
-    tmp.close()
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".tmp")
+    os.close(fd)
     try:
         done = subprocess.run(
-            [*cc.split(), *flags, *map(str, SOURCES), "-o", tmp.name, "-lm"],
+            [*cc.split(), *flags, *map(str, SOURCES), "-o", tmp, "-lm"],
             capture_output=True,
             text=True,
             timeout=300,
+            check=False,
         )
         if done.returncode == 0:
-            os.replace(tmp.name, out)
+            os.replace(tmp, out)
         return done
     finally:
-        if os.path.exists(tmp.name):
-            os.unlink(tmp.name)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _load(path: Path) -> ctypes.CDLL:
@@ -129,12 +138,19 @@ def native_build() -> NativeBuild:
     if cc is None:
         return NativeBuild(None, "not built: no C compiler (set CC, or install gcc)")
     try:
-        version = subprocess.run([*cc.split(), "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run(
+            [*cc.split(), "--version"], capture_output=True, text=True, timeout=30, check=False
+        ).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return NativeBuild(None, f"not built: {cc} --version failed: {e}")
     compiler = version.splitlines()[0] if version else cc
     digest = hashlib.sha256()
-    for part in (*[s.read_bytes() for s in SOURCES + HEADERS], " ".join(FLAGS).encode(), version.encode(), _cpu_signature().encode()):
+    for part in (
+        *[s.read_bytes() for s in SOURCES + HEADERS],
+        " ".join(FLAGS).encode(),
+        version.encode(),
+        _cpu_signature().encode(),
+    ):
         digest.update(part)
         digest.update(b"\0")
     out_dir = cache_dir()

@@ -64,7 +64,11 @@ def ssd_scan(
     dt = dt if _inner_contiguous(dt, 1) else dt.contiguous()
     if not (_inner_contiguous(B, 2) and _inner_contiguous(C, 2) and B.stride()[:2] == C.stride()[:2]):
         B, C = B.contiguous(), C.contiguous()
-    A, D, dt_bias = A.contiguous(), None if D is None else D.contiguous(), None if dt_bias is None else dt_bias.contiguous()
+    A, D, dt_bias = (
+        A.contiguous(),
+        None if D is None else D.contiguous(),
+        None if dt_bias is None else dt_bias.contiguous(),
+    )
     init = None if initial_state is None else initial_state.contiguous()
     final = x.new_empty(batch, heads, head_dim, state_size)
     low, high = dt_limit
@@ -80,7 +84,9 @@ def ssd_scan(
     return ScanResult(y, final)
 
 
-def supports_state_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *others: Tensor | None) -> bool:
+def supports_state_update(
+    state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *others: Tensor | None
+) -> bool:
     """Whether `selective_state_update` takes these tensors: float32, the state contiguous."""
     return _float32(state, x, dt, A, B, C, *others) and state.is_contiguous()
 
@@ -111,7 +117,11 @@ def selective_state_update(
     dt = dt if _inner_contiguous(dt, 1) else dt.contiguous()
     if not (_inner_contiguous(B, 2) and _inner_contiguous(C, 2) and B.stride(0) == C.stride(0)):
         B, C = B.contiguous(), C.contiguous()
-    A, D, dt_bias = A.contiguous(), None if D is None else D.contiguous(), None if dt_bias is None else dt_bias.contiguous()
+    A, D, dt_bias = (
+        A.contiguous(),
+        None if D is None else D.contiguous(),
+        None if dt_bias is None else dt_bias.contiguous(),
+    )
     low, high = dt_limit
     library.hm_ssd_state_update_f32(
         state.data_ptr(), x.data_ptr(), x.stride(0), dt.data_ptr(), dt.stride(0), A.data_ptr(), B.data_ptr(),

@@ -32,10 +32,10 @@ from himamba.common.messages import (
 from himamba.common.metrics import WORKER_STEP_TIME, WORKER_STEP_TOKENS
 from himamba.common.metrics_report import MetricsReporter
 from himamba.common.openmp_wait import describe_openmp_wait
-from himamba.kernels.dispatch import describe_cpu_kernels
 from himamba.common.runtime_dir import instance_dir
 from himamba.common.transport import Outbox
 from himamba.common.wire import WireError, tensor_ref
+from himamba.kernels.dispatch import describe_cpu_kernels
 from himamba.services.actor import Actor
 from himamba.services.worker.follow_on import LastSampled, resolve, sampled
 from himamba.services.worker.grammar_masks import GrammarCompiler

@@ -54,9 +54,18 @@ def test_decode_attention_matches_reference(q_heads: int, kv_heads: int, head_di
 
 @pytest.mark.parametrize(
     ("tokens", "prefix", "q_heads", "kv_heads", "head_dim"),
-    [(512, 0, 8, 2, 64), (37, 100, 6, 2, 24), (1, 0, 4, 4, 16), (70, 5, 8, 1, 64), (33, 64, 3, 3, 8), (100, 0, 12, 4, 128)],
+    [
+        (512, 0, 8, 2, 64),
+        (37, 100, 6, 2, 24),
+        (1, 0, 4, 4, 16),
+        (70, 5, 8, 1, 64),
+        (33, 64, 3, 3, 8),
+        (100, 0, 12, 4, 128),
+    ],
 )
-def test_prefill_attention_matches_reference(tokens: int, prefix: int, q_heads: int, kv_heads: int, head_dim: int) -> None:
+def test_prefill_attention_matches_reference(
+    tokens: int, prefix: int, q_heads: int, kv_heads: int, head_dim: int
+) -> None:
     """Query blocks of 32 tokens and context blocks of 64, cut anywhere; a cached prefix or none."""
     gen = torch.Generator().manual_seed(tokens + prefix)
     slots_in_pool = 3 * (tokens + prefix) + 7
@@ -153,7 +162,12 @@ def test_conv_update_matches_reference(width: int, bias: bool, activation: str |
 
 @pytest.mark.parametrize(
     ("length", "channels", "width", "initial", "bias", "activation"),
-    [(512, 1280, 4, False, True, "silu"), (2, 40, 4, True, True, "silu"), (33, 21, 2, True, False, None), (5, 16, 1, False, True, "silu")],
+    [
+        (512, 1280, 4, False, True, "silu"),
+        (2, 40, 4, True, True, "silu"),
+        (33, 21, 2, True, False, None),
+        (5, 16, 1, False, True, "silu"),
+    ],
 )
 def test_conv_over_a_segment_matches_reference(length, channels, width, initial, bias, activation) -> None:
     """Time-major inputs (a projection's rows seen as [B, D, L]), segments shorter than the window too."""
@@ -169,7 +183,10 @@ def test_conv_over_a_segment_matches_reference(length, channels, width, initial,
     assert torch.equal(got.final_state, want.final_state)  # the carried window is copied, never computed
 
 
-@pytest.mark.parametrize(("rows", "width", "group", "gated"), [(1, 1024, 512, True), (512, 1024, 512, True), (7, 40, 8, True), (3, 24, 24, False)])
+@pytest.mark.parametrize(
+    ("rows", "width", "group", "gated"),
+    [(1, 1024, 512, True), (512, 1024, 512, True), (7, 40, 8, True), (3, 24, 24, False)],
+)
 def test_norms_match_reference(rows: int, width: int, group: int, gated: bool) -> None:
     gen = torch.Generator().manual_seed(rows * width)
     projection = torch.randn(rows, width + 5, generator=gen)
@@ -182,7 +199,9 @@ def test_norms_match_reference(rows: int, width: int, group: int, gated: bool) -
         rtol=1e-5,
         atol=1e-5,
     )
-    torch.testing.assert_close(native_norm.rms_norm(x, weight, 1e-6), norm.rms_norm(x, weight, 1e-6), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        native_norm.rms_norm(x, weight, 1e-6), norm.rms_norm(x, weight, 1e-6), rtol=1e-5, atol=1e-5
+    )
 
 
 def _scan_inputs(gen: torch.Generator, batch: int, length: int, heads: int, head_dim: int, groups: int, n: int):
@@ -208,7 +227,9 @@ def _scan_inputs(gen: torch.Generator, batch: int, length: int, heads: int, head
         (1, 300, 8, 20, 2, 24, 32, True, True, True, (0.0, 0.1)),  # sizes off the vector width
     ],
 )
-def test_scan_matches_reference(batch, length, heads, head_dim, groups, n, chunk, initial, bias, softplus, limit) -> None:
+def test_scan_matches_reference(
+    batch, length, heads, head_dim, groups, n, chunk, initial, bias, softplus, limit
+) -> None:
     gen = torch.Generator().manual_seed(length * 7 + heads)
     x, dt, B, C = _scan_inputs(gen, batch, length, heads, head_dim, groups, n)
     A = -torch.rand(heads, generator=gen) * 3
@@ -231,9 +252,7 @@ def test_scan_split_and_chained_equals_one_call() -> None:
     A = -torch.rand(4, generator=gen)
     whole = native_ssd.ssd_scan(x, dt, A, B, C, 64)
     first = native_ssd.ssd_scan(x[:, :77], dt[:, :77], A, B[:, :77], C[:, :77], 64)
-    second = native_ssd.ssd_scan(
-        x[:, 77:], dt[:, 77:], A, B[:, 77:], C[:, 77:], 64, initial_state=first.final_state
-    )
+    second = native_ssd.ssd_scan(x[:, 77:], dt[:, 77:], A, B[:, 77:], C[:, 77:], 64, initial_state=first.final_state)
     torch.testing.assert_close(torch.cat([first.y, second.y], dim=1), whole.y, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(second.final_state, whole.final_state, rtol=1e-4, atol=1e-5)
 
