@@ -17,29 +17,15 @@
 
 #include "vector_math.h"
 
-static inline float sum16(v16 v) {
-    const v8 h = fold(v);
-    float s = 0.0f;
-    for (int i = 0; i < 8; i++) s += h[i];
-    return s;
-}
-
 void hm_rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float eps, float *out, int64_t rows,
                      int64_t width) {
 #pragma omp parallel for schedule(static) if (rows * width >= (1 << 16))
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * x_stride;
         float *o = out + r * width;
-        v16 acc = {0};
-        float tail = 0.0f;
+        const float inv = 1.0f / sqrtf(sum_squares(xr, width) / (float)width + eps);
         int64_t c = 0;
-        for (; c + 16 <= width; c += 16) {
-            const v16 v = *(const v16 *)(xr + c);
-            acc += v * v;
-        }
-        for (; c < width; c++) tail += xr[c] * xr[c];
-        const float inv = 1.0f / sqrtf((sum16(acc) + tail) / (float)width + eps);
-        for (c = 0; c + 16 <= width; c += 16) *(v16 *)(o + c) = *(const v16 *)(xr + c) * inv * *(const v16 *)(weight + c);
+        for (; c + 16 <= width; c += 16) *(v16 *)(o + c) = *(const v16 *)(xr + c) * inv * *(const v16 *)(weight + c);
         for (; c < width; c++) o[c] = xr[c] * inv * weight[c];
     }
 }
@@ -65,16 +51,9 @@ void hm_gated_rms_norm_f32(const float *x, int64_t x_stride, const float *gate, 
         for (int64_t start = 0; start < width; start += group) {
             float *u = o + start;
             const float *w = weight + start;
-            v16 acc = {0};
-            float tail = 0.0f;
+            const float inv = 1.0f / sqrtf(sum_squares(u, group) / (float)group + eps);
             int64_t i = 0;
-            for (; i + 16 <= group; i += 16) {
-                const v16 v = *(const v16 *)(u + i);
-                acc += v * v;
-            }
-            for (; i < group; i++) tail += u[i] * u[i];
-            const float inv = 1.0f / sqrtf((sum16(acc) + tail) / (float)group + eps);
-            for (i = 0; i + 16 <= group; i += 16) *(v16 *)(u + i) = *(v16 *)(u + i) * inv * *(const v16 *)(w + i);
+            for (; i + 16 <= group; i += 16) *(v16 *)(u + i) = *(v16 *)(u + i) * inv * *(const v16 *)(w + i);
             for (; i < group; i++) u[i] = u[i] * inv * w[i];
         }
     }

@@ -49,23 +49,7 @@ static inline void dot4(const float *a, int64_t stride, const float *b, int64_t 
 
 /* Row s[0..len) -> its softmax, in place. */
 static void softmax(float *s, int64_t len) {
-    float m = s[0];
-#pragma omp simd reduction(max : m)
-    for (int64_t j = 0; j < len; j++) m = s[j] > m ? s[j] : m;
-    v16 sum16 = {0};
-    int64_t j = 0;
-    for (; j + 16 <= len; j += 16) {
-        const v16 e = exp16(*(v16 *)(s + j) - m);
-        *(v16 *)(s + j) = e;
-        sum16 += e;
-    }
-    float total = 0.0f;
-    for (int i = 0; i < 16; i++) total += sum16[i];
-    for (; j < len; j++) {
-        s[j] = exp1(s[j] - m);
-        total += s[j];
-    }
-    const float inv = 1.0f / total;
+    const float inv = 1.0f / exp_shifted_sum(s, len, row_max(s, len, s[0]));
 #pragma omp simd
     for (int64_t i = 0; i < len; i++) s[i] *= inv;
 }

@@ -52,38 +52,6 @@ static int blocks_alloc(Blocks *b, int64_t rows, int64_t d) {
     return 0;
 }
 
-/* max(floor, s[0..n)), 16 lanes at a time. */
-static float row_max(const float *s, int64_t n, float floor) {
-    v16 m16 = (v16){0} + s[0]; /* every lane s[0] */
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-        const v16 v = *(const v16 *)(s + j);
-        m16 = (v16)(((v16i)(v > m16) & (v16i)v) | (~(v16i)(v > m16) & (v16i)m16));
-    }
-    float mx = floor;
-    for (int i = 0; i < 16; i++) mx = m16[i] > mx ? m16[i] : mx;
-    for (; j < n; j++) mx = s[j] > mx ? s[j] : mx;
-    return mx;
-}
-
-/* s[j] = exp(s[j] - shift) for j < n; returns their sum. */
-static float exp_shifted_sum(float *s, int64_t n, float shift) {
-    v16 sum16 = {0};
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-        const v16 e = exp16(*(v16 *)(s + j) - shift);
-        *(v16 *)(s + j) = e;
-        sum16 += e;
-    }
-    float sum = 0.0f;
-    for (int i = 0; i < 16; i++) sum += sum16[i];
-    for (; j < n; j++) {
-        s[j] = exp1(s[j] - shift);
-        sum += s[j];
-    }
-    return sum;
-}
-
 static void attend_block(const Prefill *p, int64_t g, int64_t t0, Blocks *b) {
     const int64_t D = p->head_dim, rep = p->q_heads / p->kv_heads;
     const int64_t nt = p->tokens - t0 < QUERY_TOKENS ? p->tokens - t0 : QUERY_TOKENS, rows = nt * rep;

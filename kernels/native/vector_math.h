@@ -53,6 +53,54 @@ static inline void exp_rows(const float *src, float *dst, int64_t n) {
     for (; i < n; i++) dst[i] = exp1(src[i]);
 }
 
+/* max(floor, s[0..n)), 16 lanes at a time. */
+static inline float row_max(const float *s, int64_t n, float floor) {
+    v16 m16 = (v16){0} + s[0]; /* every lane s[0] */
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const v16 v = *(const v16 *)(s + j);
+        m16 = (v16)(((v16i)(v > m16) & (v16i)v) | (~(v16i)(v > m16) & (v16i)m16));
+    }
+    float mx = floor;
+    for (int i = 0; i < 16; i++) mx = m16[i] > mx ? m16[i] : mx;
+    for (; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    return mx;
+}
+
+/* s[j] = exp(s[j] - shift) for j < n; returns their sum. */
+static inline float exp_shifted_sum(float *s, int64_t n, float shift) {
+    v16 sum16 = {0};
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const v16 e = exp16(*(v16 *)(s + j) - shift);
+        *(v16 *)(s + j) = e;
+        sum16 += e;
+    }
+    float sum = 0.0f;
+    for (int i = 0; i < 16; i++) sum += sum16[i];
+    for (; j < n; j++) {
+        s[j] = exp1(s[j] - shift);
+        sum += s[j];
+    }
+    return sum;
+}
+
+/* The sum of x[i]^2 over n floats. */
+static inline float sum_squares(const float *x, int64_t n) {
+    v16 acc = {0};
+    float tail = 0.0f;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const v16 v = *(const v16 *)(x + i);
+        acc += v * v;
+    }
+    for (; i < n; i++) tail += x[i] * x[i];
+    const v8 h = fold(acc);
+    float s = tail;
+    for (int k = 0; k < 8; k++) s += h[k];
+    return s;
+}
+
 /* C[m x n] = A[m x k] @ B[k x n] (or += when `accumulate`), all row-major with leading dims.
  * Four rows of C at a time, their columns in registers while k runs; sizes need not be multiples
  * of anything. For the scans' 64 x 64 x 64 products this runs near the machine's FMA rate. */
