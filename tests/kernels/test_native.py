@@ -297,6 +297,34 @@ def test_dispatch_checks_arguments_as_the_reference_does() -> None:
         )  # fmt: skip
 
 
+def test_a_kernel_out_of_memory_raises_and_the_process_goes_on() -> None:
+    """A kernel whose scratch memory cannot be had raises MemoryError and writes nothing; the next
+    call works (driven in a subprocess whose address space is capped just above what it holds)."""
+    import subprocess
+    import sys
+
+    script = """
+import resource, torch
+from himamba.kernels.native import attention
+k = torch.randn(150_000, 4, 64)
+q = torch.randn(4, 8, 64)
+slots = torch.arange(150_000)
+attention.paged_attention_prefill(q[:1], k, k, slots[:8], 7, 0.125)  # load the library first
+vm = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (vm + (64 << 20), resource.RLIM_INFINITY))
+try:
+    attention.paged_attention_prefill(q, k, k, slots, 150_000 - 4, 0.125)  # needs ~300 MB of scratch
+except MemoryError as e:
+    print("refused:", e)
+out = attention.paged_attention_prefill(q, k, k, slots[:20], 16, 0.125)
+print("then fine:", bool(torch.isfinite(out).all()))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "refused: paged_attention_prefill: out of memory" in done.stdout
+    assert "then fine: True" in done.stdout
+
+
 def test_the_worker_says_what_cpu_tensors_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert dispatch.describe_cpu_kernels().startswith("native where one exists")
     assert build.native_build().detail in dispatch.describe_cpu_kernels()
