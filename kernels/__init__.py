@@ -2,7 +2,8 @@
 rule, RMS norms, paged attention and MoE routing/experts.
 
 Import ops from here; `dispatch` picks the implementation for the given tensors: the PyTorch
-reference (`kernels/reference/`, the CPU path) or its Triton twin (`kernels/triton/`, CUDA).
+reference (`kernels/reference/`), its Triton twin (`kernels/triton/`, CUDA) or, on CPU, its native
+kernel where there is one (`kernels/native/`).
 """
 
 from .dispatch import (
