@@ -19,6 +19,17 @@ def test_package_list_is_complete():
     assert set(cfg["packages"]) == found
 
 
+def test_the_wheel_ships_the_native_kernels_sources():
+    """kernels/native compiles its C sources on the machine that runs it: every one of them (and every
+    header they include) must be package data, or an installed server silently runs the references."""
+    from fnmatch import fnmatch
+
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = cfg["package-data"]["himamba.kernels.native"]
+    sources = [p.name for p in (ROOT / "kernels" / "native").iterdir() if p.suffix in (".c", ".h")]
+    assert sources and all(any(fnmatch(name, pat) for pat in patterns) for name in sources)
+
+
 def test_our_kernels_folder_does_not_shadow_hf_kernels():
     import importlib.util
 
