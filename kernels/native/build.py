@@ -3,7 +3,7 @@
 The library is compiled by the system's C compiler (`$CC`, else `cc`, else `gcc`) for this CPU
 (`-march=native`) into a cache directory (`$HIMAMBA_NATIVE_CACHE`, else `$XDG_CACHE_HOME/himamba/native`,
 else `~/.cache/himamba/native`), under a name derived from the sources, the flags, the compiler and
-the CPU; the first process compiles (about a second), every later one loads the file. Processes
+the CPU; the first process compiles (a few seconds), every later one loads the file. Processes
 racing to build write separate temporaries and rename them into place, so a reader never sees a
 half-written library. Without a compiler, or when it fails, `native_build()` says why and the
 callers keep the PyTorch reference.
