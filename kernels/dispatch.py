@@ -71,18 +71,19 @@ def uses_triton(x: Tensor) -> bool:
     return mode != "reference" and triton_installed()
 
 
+def _native_built() -> bool:
+    """Whether the native library is loaded (built on first call); with HIMAMBA_KERNELS=native, an
+    error when it could not be."""
+    built = native_build()
+    if built.library is None and kernels_mode() == "native":
+        raise RuntimeError(f"{KERNELS_ENV}=native but the native kernels are {built.detail}")
+    return built.library is not None
+
+
 def uses_native(x: Tensor) -> bool:
     """Whether an op whose main input is x runs its native CPU kernel, where one takes the inputs
     (see the module docstring)."""
-    if x.device.type != "cpu":
-        return False
-    mode = kernels_mode()
-    if mode in ("reference", "triton"):
-        return False
-    built = native_build()
-    if built.library is None and mode == "native":
-        raise RuntimeError(f"{KERNELS_ENV}=native but the native kernels are {built.detail}")
-    return built.library is not None
+    return x.device.type == "cpu" and kernels_mode() not in ("reference", "triton") and _native_built()
 
 
 def describe_cpu_kernels() -> str:
@@ -91,12 +92,9 @@ def describe_cpu_kernels() -> str:
     mode = kernels_mode()
     if mode in ("reference", "triton"):
         return f"{mode} ({KERNELS_ENV}={mode})"
-    built = native_build()
-    if built.library is None:
-        if mode == "native":
-            raise RuntimeError(f"{KERNELS_ENV}=native but the native kernels are {built.detail}")
-        return f"PyTorch reference (native kernels {built.detail})"
-    return f"native where one exists, else the PyTorch reference; {built.detail}"
+    if not _native_built():
+        return f"PyTorch reference (native kernels {native_build().detail})"
+    return f"native where one exists, else the PyTorch reference; {native_build().detail}"
 
 
 @functools.cache

@@ -120,17 +120,8 @@ def paged_attention_prefill(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_slots: Tensor, prefix_len: int, scale: float
 ) -> Tensor:
     """Twin of `reference.attention.paged_attention_prefill`."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [T, Hq, Dh], got {tuple(q.shape)}")
+    _ref.check_prefill_args(q, k_cache, v_cache, seq_slots, prefix_len)
     new_len, q_heads, head_dim = q.shape
-    _ref._check_cache(k_cache, v_cache, q_heads, head_dim)
-    _ref._check_index("seq_slots", seq_slots, 1)
-    if prefix_len < 0:
-        raise ValueError(f"prefix_len must be >= 0, got {prefix_len}")
-    if seq_slots.shape[0] != prefix_len + new_len:
-        raise ValueError(
-            f"seq_slots must have prefix_len + T = {prefix_len + new_len} entries, got {seq_slots.shape[0]}"
-        )
     _unit_last(q, k_cache, v_cache)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if out.numel() == 0:
@@ -151,21 +142,8 @@ def paged_attention_decode(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, slot_table: Tensor, seq_lens: Tensor, scale: float
 ) -> Tensor:
     """Twin of `reference.attention.paged_attention_decode` (lengths are not range-checked on CUDA)."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [B, Hq, Dh], got {tuple(q.shape)}")
+    _ref.check_decode_args(q, k_cache, v_cache, slot_table, seq_lens)
     batch, q_heads, head_dim = q.shape
-    _ref._check_cache(k_cache, v_cache, q_heads, head_dim)
-    _ref._check_index("slot_table", slot_table, 2)
-    _ref._check_index("seq_lens", seq_lens, 1)
-    if slot_table.shape[0] != batch or seq_lens.shape[0] != batch:
-        raise ValueError(
-            f"slot_table and seq_lens must have B={batch} rows, got {slot_table.shape[0]} and {seq_lens.shape[0]}"
-        )
-    max_len = slot_table.shape[1]
-    if seq_lens.device.type == "cpu" and batch > 0:
-        lo, hi = int(seq_lens.min()), int(seq_lens.max())
-        if lo < 1 or hi > max_len:
-            raise ValueError(f"seq_lens must be in [1, max_len={max_len}], got min {lo} max {hi}")
     _unit_last(q, k_cache, v_cache)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if out.numel() == 0:

@@ -105,15 +105,8 @@ def causal_conv1d(
     activation: str | None = "silu",
 ) -> ConvResult:
     """Twin of `reference.conv1d.causal_conv1d`; `out` is time-major when x is (as the reference's)."""
-    _ref._check_activation(activation)
-    if x.dim() != 3:
-        raise ValueError(f"x must be [B, D, L], got {tuple(x.shape)}")
+    width = _ref.check_args(x, weight, bias, initial_state, activation)
     batch, channels, length = x.shape
-    width = _ref._check_weight(weight, bias, channels)
-    if initial_state is not None and tuple(initial_state.shape) != (batch, channels, width - 1):
-        raise ValueError(
-            f"initial_state must be [B={batch}, D={channels}, K-1={width - 1}], got {tuple(initial_state.shape)}"
-        )
     state_dtype = x.dtype if initial_state is None else initial_state.dtype
     if x.stride(1) == 1:
         out = torch.empty(batch, length, channels, dtype=x.dtype, device=x.device).transpose(1, 2)
@@ -143,15 +136,8 @@ def causal_conv1d_update(
     activation: str | None = "silu",
 ) -> Tensor:
     """Twin of `reference.conv1d.causal_conv1d_update`: updates conv_state (any strides) in place."""
-    _ref._check_activation(activation)
-    if x.dim() != 2:
-        raise ValueError(f"x must be [B, D], got {tuple(x.shape)}")
+    width = _ref.check_update_args(x, conv_state, weight, bias, activation)
     batch, channels = x.shape
-    width = _ref._check_weight(weight, bias, channels)
-    if tuple(conv_state.shape) != (batch, channels, width - 1):
-        raise ValueError(
-            f"conv_state must be [B={batch}, D={channels}, K-1={width - 1}], got {tuple(conv_state.shape)}"
-        )
     out = torch.empty(batch, channels, dtype=x.dtype, device=x.device)
     if batch == 0 or channels == 0:
         return out

@@ -59,16 +59,11 @@ def _launch(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, group_si
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, multiply_in_float32: bool = False) -> Tensor:
     """Twin of `reference.norm.rms_norm`."""
-    _ref._check_weight(x, weight)
+    _ref.check_args(x, weight)
     return _launch(x, None, weight, eps, x.shape[-1], multiply_in_float32)
 
 
 def gated_rms_norm(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, group_size: int) -> Tensor:
     """Twin of `reference.norm.gated_rms_norm`."""
-    _ref._check_weight(x, weight)
-    width = x.shape[-1]
-    if group_size < 1 or width % group_size != 0:
-        raise ValueError(f"group_size must divide D={width}, got {group_size}")
-    if gate is not None and gate.shape != x.shape:
-        raise ValueError(f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
+    _ref.check_gated_args(x, gate, weight, group_size)
     return _launch(x, gate, weight, eps, group_size, False)

@@ -129,9 +129,8 @@ def _state_update_kernel(
 
 
 def _limit(dt_limit: tuple[float, float]) -> tuple[bool, float, float]:
+    _ref.check_dt_limit(dt_limit)
     low, high = dt_limit
-    if not low <= high:
-        raise ValueError(f"dt_limit must be (low, high) with low <= high, got {dt_limit}")
     has = (low, high) != (0.0, math.inf)
     # Kernel scalars are float32: an infinite bound is the largest float32.
     return has, max(low, -3.0e38), min(high, 3.0e38)
@@ -151,20 +150,11 @@ def ssd_scan(
     initial_state: Tensor | None = None,
 ) -> ScanResult:
     """Twin of `reference.ssd.ssd_scan` (chunks of at most 64 tokens: chunking changes only rounding)."""
-    if x.dim() != 4:
-        raise ValueError(f"x must be [Bt, L, H, P], got {tuple(x.shape)}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    _ref.check_scan_args(x, dt, A, B, C, chunk_size, D, dt_bias, initial_state)
     batch, length, heads, head_dim = x.shape
-    if tuple(dt.shape) != (batch, length, heads):
-        raise ValueError(f"dt must be [Bt={batch}, L={length}, H={heads}], got {tuple(dt.shape)}")
-    if B.dim() != 4 or B.shape[:2] != (batch, length):
-        raise ValueError(f"B must be [Bt={batch}, L={length}, G, N], got {tuple(B.shape)}")
-    rep = _ref._check_heads(x, A, B, C, D, dt_bias)
+    rep = heads // B.shape[2]
     state_size = B.shape[3]
     state_shape = (batch, heads, head_dim, state_size)
-    if initial_state is not None and tuple(initial_state.shape) != state_shape:
-        raise ValueError(f"initial_state must be {list(state_shape)}, got {tuple(initial_state.shape)}")
     has_limit, low, high = _limit(dt_limit)
     state_dtype = torch.float32 if initial_state is None else initial_state.dtype
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -200,19 +190,9 @@ def selective_state_update(
     dt_limit: tuple[float, float] = (0.0, float("inf")),
 ) -> Tensor:
     """Twin of `reference.ssd.selective_state_update`: updates `state` (any strides) in place."""
-    if x.dim() != 3:
-        raise ValueError(f"x must be [Bt, H, P], got {tuple(x.shape)}")
+    rep = _ref.check_state_update_args(state, x, dt, A, B, C, D, dt_bias)
     batch, heads, head_dim = x.shape
-    if tuple(dt.shape) != (batch, heads):
-        raise ValueError(f"dt must be [Bt={batch}, H={heads}], got {tuple(dt.shape)}")
-    if B.dim() != 3 or B.shape[0] != batch:
-        raise ValueError(f"B must be [Bt={batch}, G, N], got {tuple(B.shape)}")
-    rep = _ref._check_heads(x, A, B, C, D, dt_bias)
     state_size = B.shape[2]
-    if tuple(state.shape) != (batch, heads, head_dim, state_size):
-        raise ValueError(
-            f"state must be [Bt={batch}, H={heads}, P={head_dim}, N={state_size}], got {tuple(state.shape)}"
-        )
     has_limit, low, high = _limit(dt_limit)
     y = torch.empty(batch, heads, head_dim, dtype=x.dtype, device=x.device)
     if y.numel() == 0:
