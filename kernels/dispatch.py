@@ -26,9 +26,11 @@ from torch import Tensor
 
 from .native import attention as _native_attention
 from .native import conv1d as _native_conv1d
+from .native import linear as _native_linear
 from .native import norm as _native_norm
 from .native import ssd as _native_ssd
 from .native.build import native_build
+from .native.linear import PanelWeight
 from .reference import attention as _attention
 from .reference import conv1d as _conv1d
 from .reference import delta_rule as _delta_rule
@@ -95,6 +97,19 @@ def describe_cpu_kernels() -> str:
     if not _native_built():
         return f"PyTorch reference (native kernels {native_build().detail})"
     return f"native where one exists, else the PyTorch reference; {native_build().detail}"
+
+
+def pack_linear(weight: Tensor) -> PanelWeight | None:
+    """A projection weight [out, in] packed once for `packed_linear` (the native CPU product, see
+    `native.linear`), or None where it does not apply: not a float32 CPU matrix, or no native kernels."""
+    if uses_native(weight) and _native_linear.supports(weight):
+        return _native_linear.pack(weight)
+    return None
+
+
+def packed_linear(x: Tensor, weight: PanelWeight, bias: Tensor | None) -> Tensor:
+    """`F.linear(x, W, bias)` with W packed by `pack_linear`."""
+    return _native_linear.linear(x, weight, bias)
 
 
 @functools.cache

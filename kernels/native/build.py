@@ -57,6 +57,7 @@ SIGNATURES: dict[str, tuple[tuple[type, ...], type | None]] = {
     ),
     "hm_conv_update_f32": ((_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64), None),
     "hm_paged_attention_prefill_f32": ((_PTR,) * 5 + (_I64,) * 6 + (_F32,), _I64),
+    "hm_linear_f32": ((_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64), None),
     "hm_rms_norm_f32": ((_PTR, _I64, _PTR, _F32, _PTR, _I64, _I64), None),
     "hm_gated_rms_norm_f32": ((_PTR, _I64, _PTR, _I64, _PTR, _F32, _I64, _PTR, _I64, _I64), None),
     "hm_conv_scan_f32": ((_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64), _I64),

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from himamba.services.worker.layers.cpu_packing import can_pack, pack, packed_linear
+from himamba.services.worker.layers.cpu_packing import Packed, can_pack, pack, packed_linear
 
 
 class VocabEmbedding(nn.Module):
@@ -57,7 +57,7 @@ class LMHead(nn.Module):
             if tied_to is not None
             else nn.Parameter(torch.empty(vocab_size, hidden_size, device=device, dtype=dtype), requires_grad=False)
         )
-        self._packed: torch.Tensor | None = None  # oneDNN copy of the matrix (cpu_packing); not a parameter
+        self._packed: Packed | None = None  # packed copy of the matrix (cpu_packing); not a parameter
 
     @property
     def is_tied(self) -> bool:
@@ -70,7 +70,7 @@ class LMHead(nn.Module):
         self._packed = None
 
     def pack_for_cpu(self) -> bool:
-        """Use a oneDNN pre-packed copy of the head's matrix (its own or the tied embedding's) from now
+        """Use a pre-packed copy (cpu_packing) of the head's matrix (its own or the tied embedding's) from now
         on, where it applies; True if packed."""
         weight = self._tied[0].weight if self._tied else self.weight
         assert weight is not None

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from himamba.services.worker.layers.cpu_packing import can_pack, pack, packed_linear
+from himamba.services.worker.layers.cpu_packing import Packed, can_pack, pack, packed_linear
 
 
 class Linear(nn.Module):
@@ -28,11 +28,11 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
         )
-        self._packed: torch.Tensor | None = None  # oneDNN copy of weight (cpu_packing); not a parameter
+        self._packed: Packed | None = None  # packed copy of weight (cpu_packing); not a parameter
         self._fused = False  # a parent packs this weight with its siblings' (fused_into_parent)
 
     def pack_for_cpu(self) -> bool:
-        """Use a oneDNN pre-packed copy of the weight from now on, where it applies; True if packed."""
+        """Use a pre-packed copy (cpu_packing) of the weight from now on, where it applies; True if packed."""
         self._packed = pack(self.weight) if can_pack(self.weight) and not self._fused else None
         return self._packed is not None
 

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from himamba.services.worker.forward_batch import ForwardBatch
-from himamba.services.worker.layers.cpu_packing import can_pack, pack, packed_linear
+from himamba.services.worker.layers.cpu_packing import Packed, can_pack, pack, packed_linear
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.paged_attend import paged_attend
 
@@ -44,12 +44,12 @@ class ProjectedAttention(nn.Module):
         self.k_proj = Linear(in_features, num_kv_heads * head_dim, bias, device, dtype)
         self.v_proj = Linear(in_features, num_kv_heads * head_dim, bias, device, dtype)
         self.add_module(out_name, Linear(num_heads * head_dim, hidden_size, bias, device, dtype))
-        self._qkv_packed: torch.Tensor | None = None  # [q | k | v] packed as one weight (pack_for_cpu)
+        self._qkv_packed: Packed | None = None  # [q | k | v] packed as one weight (pack_for_cpu)
         self._qkv_bias: Tensor | None = None
         self._qkv_sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
 
     def pack_for_cpu(self) -> bool:
-        """Pack q/k/v as one oneDNN weight, so that a step runs one product instead of three (a decode
+        """Pack q/k/v as one weight (cpu_packing), so that a step runs one product instead of three (a decode
         step's k/v products are too small to use the cores: 2.3x faster at batch 1, 1.6x at 32, equal
         at prefill; 2-core AMD EPYC, medium NemotronH sizes). The three stay modules under HF's names,
         with their plain weights. Runs before the children's own packing (modules() is pre-order)."""
