@@ -108,8 +108,9 @@ static void run_panels(const float *x, int64_t x_stride, const float *panels, co
 void hm_linear_f32(const float *x, int64_t x_stride, const float *panels, const float *bias, float *y, int64_t M,
                    int64_t N, int64_t K) {
     const int64_t n_panels = (N + PANEL - 1) / PANEL;
-    /* Waking the other threads costs tens of microseconds: worth it from about a 4 MB weight a row. */
-#pragma omp parallel if (M * N * K >= (1 << 20))
+    /* Waking the other threads costs tens of microseconds (sleeping threads, on a VM): worth it for a
+     * weight of 4 MB or more, or for as many multiply-adds as 32 rows of a 2 MB one. */
+#pragma omp parallel if (N * K >= (1 << 20) || M * N * K >= (1 << 24))
     {
 #ifdef _OPENMP
         const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
