@@ -16,6 +16,9 @@ otherwise run, each as its users run it: transformers' `model.generate` in this 
 OpenAI server (vllm_server.py, its defaults), compared with our time over HTTP through the same
 client. Speed ratio = theirs / ours: above 1, the server is faster. Runs alternate engine by engine
 within each round; every server stays up for the whole run (an idle server uses no CPU to speak of).
+Every timed run starts after the same idle pause (the one our worker's metrics need before our
+first run), so that none starts on cores still warm from the run before it: on a VM the first
+steps after an idle spell are slower, which would otherwise fall on our first run alone.
 """
 
 from __future__ import annotations
@@ -56,9 +59,12 @@ def worker_step_seconds(port: int) -> float:
     return sum(float(v) for v in _STEP_SUM.findall(text))
 
 
+_IDLE_S = 4 * _REPORT_INTERVAL_S  # the pause before every timed run
+
+
 def _settled_step_seconds(port: int) -> float:
     """The worker's step time once its latest report is in (it reports every _REPORT_INTERVAL_S)."""
-    time.sleep(4 * _REPORT_INTERVAL_S)
+    time.sleep(_IDLE_S)
     return worker_step_seconds(port)
 
 
@@ -148,8 +154,10 @@ def run(args: argparse.Namespace, out: Any) -> dict[str, Any]:
                 measured = {"e2e_s": wall, "worker_s": worker}
                 measured["http_s"] = complete_batch(http, model, prompts, args.new_tokens)
                 for peer in peers:
+                    time.sleep(_IDLE_S)
                     measured[f"{peer.name}_s"] = peer.generate(prompts, args.new_tokens).seconds
                 for other in served:
+                    time.sleep(_IDLE_S)
                     measured[f"{other.name}_s"] = other.complete(prompts, args.new_tokens)
                 rounds[batch].append(measured)
                 others = "".join(f", {p.name} {measured[p.name + '_s']:.3f} s" for p in [*peers, *served])
@@ -203,7 +211,12 @@ def run(args: argparse.Namespace, out: Any) -> dict[str, Any]:
             # The median of the rounds' pairs: each pair ran back to back, under the same load.
             ratio = statistics.median(t / x[ours_key] for t, x in zip(theirs, runs, strict=True))
             row[f"{name}_speed_ratio"] = ratio
-            out.write(f"{'':>6}{name + ' ' + _spread(theirs, '.3f'):>44}  (theirs / {label}: {ratio:.2f}x)\n")
+            also = ""
+            if ours_key == "e2e_s":  # a bare engine returns whole results, as our non-streaming HTTP does
+                http_ratio = statistics.median(t / x["http_s"] for t, x in zip(theirs, runs, strict=True))
+                row[f"{name}_speed_ratio_http"] = http_ratio
+                also = f", / ours over HTTP: {http_ratio:.2f}x"
+            out.write(f"{'':>6}{name + ' ' + _spread(theirs, '.3f'):>44}  (theirs / {label}: {ratio:.2f}x{also})\n")
         rows.append(row)
     summary = {
         "bench": "serve-overhead",
