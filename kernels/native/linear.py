@@ -37,7 +37,9 @@ def supports(weight: Tensor) -> bool:
 def pack(weight: Tensor) -> PanelWeight:
     """`weight` [out, in] reordered into panels (a copy; later changes to `weight` do not reach it)."""
     if not supports(weight):
-        raise ValueError(f"pack takes a float32 CPU matrix, got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
+        raise ValueError(
+            f"pack takes a float32 CPU matrix, got {weight.dtype} {tuple(weight.shape)} on {weight.device}"
+        )
     out_features, in_features = weight.shape
     n_panels = -(-out_features // PANEL)
     padded = torch.zeros(n_panels * PANEL, in_features, dtype=weight.dtype)
