@@ -267,22 +267,34 @@ def test_a_constrained_request_survives_a_worker_restart(supervised: Supervised)
     """kill -9 of the worker while a request constrained by a regex runs: the request is requeued,
     the new worker rebuilds its matcher from the tokens so far, and the output still matches."""
     supervised.wait_serving("def again(z):", timeout_s=120)
-    pattern = "[0-9]{1500}"  # 750 to 1500 tokens of the demo vocabulary: still running at the kill
+    pattern = "[0-9]{1500}"  # 750 to 1500 tokens of the demo vocabulary
     outcome: list[dict] = []
+    first_token = threading.Event()
 
     def run() -> None:
+        # Streamed, so that the kill lands once the request is under way (its first tokens are out)
+        # and long before it ends, however fast the worker decodes.
         conn = http.client.HTTPConnection("127.0.0.1", supervised.port, timeout=170)
         try:
-            body = {"prompt": "digits:", "max_tokens": 2000, "temperature": 0, "guided_regex": pattern}
+            body = {"prompt": "digits:", "max_tokens": 2000, "temperature": 0, "guided_regex": pattern, "stream": True}
             conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
             resp = conn.getresponse()
-            outcome.append({"status": resp.status, **json.loads(resp.read())})
+            text, reason = [], None
+            for line in resp:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                (choice,) = json.loads(line[6:])["choices"]
+                text.append(choice["text"])
+                reason = choice.get("finish_reason") or reason
+                first_token.set()
+            outcome.append({"status": resp.status, "text": "".join(text), "finish_reason": reason})
         finally:
+            first_token.set()
             conn.close()
 
     running = threading.Thread(target=run)
     running.start()
-    time.sleep(1.0)
+    assert first_token.wait(timeout=120), "no token streamed"
     old = supervised.pid("worker")
     os.kill(old, signal.SIGKILL)
     deadline = time.monotonic() + 60
@@ -293,8 +305,7 @@ def test_a_constrained_request_survives_a_worker_restart(supervised: Supervised)
     assert not running.is_alive(), "the request running through the kill never ended"
     (got,) = outcome
     assert got["status"] == 200, got
-    (choice,) = got["choices"]
-    assert re.fullmatch(pattern, choice["text"]) and choice["finish_reason"] == "stop", choice
+    assert re.fullmatch(pattern, got["text"]) and got["finish_reason"] == "stop", got
     assert "grammar matcher" in supervised.log("worker")  # rebuilt from the tokens so far
 
 
