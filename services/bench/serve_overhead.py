@@ -17,8 +17,9 @@ OpenAI server (vllm_server.py, its defaults), compared with our time over HTTP t
 client. Speed ratio = theirs / ours: above 1, the server is faster. Runs alternate engine by engine
 within each round; every server stays up for the whole run (an idle server uses no CPU to speak of).
 Every timed run starts after the same idle pause (the one our worker's metrics need before our
-first run), so that none starts on cores still warm from the run before it: on a VM the first
-steps after an idle spell are slower, which would otherwise fall on our first run alone.
+first run), so that none starts on cores still warm from the run before it, and each round starts
+one engine later than the round before (round r runs them rotated by r): on a VM the first steps
+after an idle spell are slower, and a fixed order put whatever that costs on our first run alone.
 """
 
 from __future__ import annotations
@@ -80,6 +81,47 @@ def _run_batch(endpoint: str, prompts: list[list[int]], new_tokens: int) -> floa
     if done != [new_tokens] * len(prompts):
         raise RuntimeError(f"expected {new_tokens} tokens per request, got {done}")
     return wall
+
+
+def _round(
+    rotation: int,
+    prompts: list[list[int]],
+    new_tokens: int,
+    endpoint: str,
+    port: int,
+    http: str,
+    model: str,
+    peers: list[GenerateEngine],
+    served: list[VLLMServer],
+) -> dict[str, float]:
+    """Every engine once on `prompts`, each after the same idle pause, in an order rotated by `rotation`:
+    our server through its ZMQ client (with the worker's step time) and over HTTP, then the peers."""
+    measured: dict[str, float] = {}
+
+    def ours_zmq() -> None:
+        before = _settled_step_seconds(port)  # (the idle pause)
+        measured["e2e_s"] = _run_batch(endpoint, prompts, new_tokens)
+        measured["worker_s"] = _settled_step_seconds(port) - before
+
+    def ours_http() -> None:
+        time.sleep(_IDLE_S)
+        measured["http_s"] = complete_batch(http, model, prompts, new_tokens)
+
+    def bare(peer: GenerateEngine) -> None:
+        time.sleep(_IDLE_S)
+        measured[f"{peer.name}_s"] = peer.generate(prompts, new_tokens).seconds
+
+    def server_peer(other: VLLMServer) -> None:
+        time.sleep(_IDLE_S)
+        measured[f"{other.name}_s"] = other.complete(prompts, new_tokens)
+
+    order = [ours_zmq, ours_http]
+    order += [functools.partial(bare, peer) for peer in peers]
+    order += [functools.partial(server_peer, other) for other in served]
+    shift = rotation % len(order)
+    for run_one in order[shift:] + order[:shift]:
+        run_one()
+    return measured
 
 
 def _peers(args: argparse.Namespace, ckpt: Path) -> list[GenerateEngine]:
@@ -148,17 +190,8 @@ def run(args: argparse.Namespace, out: Any) -> dict[str, Any]:
         for r in range(args.runs):
             for batch in args.batches:
                 prompts = [torch.randint(1, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(batch)]
-                before = _settled_step_seconds(port)
-                wall = _run_batch(server.endpoint, prompts, args.new_tokens)
-                worker = _settled_step_seconds(port) - before
-                measured = {"e2e_s": wall, "worker_s": worker}
-                measured["http_s"] = complete_batch(http, model, prompts, args.new_tokens)
-                for peer in peers:
-                    time.sleep(_IDLE_S)
-                    measured[f"{peer.name}_s"] = peer.generate(prompts, args.new_tokens).seconds
-                for other in served:
-                    time.sleep(_IDLE_S)
-                    measured[f"{other.name}_s"] = other.complete(prompts, args.new_tokens)
+                measured = _round(r, prompts, args.new_tokens, server.endpoint, port, http, model, peers, served)
+                wall, worker = measured["e2e_s"], measured["worker_s"]
                 rounds[batch].append(measured)
                 others = "".join(f", {p.name} {measured[p.name + '_s']:.3f} s" for p in [*peers, *served])
                 sys.stderr.write(

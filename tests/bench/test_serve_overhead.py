@@ -8,7 +8,11 @@ import io
 import json
 from argparse import Namespace
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from himamba.services.bench import serve_overhead
 from himamba.services.bench.serve_overhead import run
 from himamba.services.modelgen.checkpoint import make_checkpoint
 
@@ -34,3 +38,36 @@ def test_rounds_split_end_to_end_time_into_worker_and_server(tmp_path: Path) -> 
     assert json.loads((tmp_path / "out" / "serve_overhead.json").read_text())["rows"] == summary["rows"]
     assert "server ms/token" in out.getvalue() and "transformers" in out.getvalue()
     assert "over HTTP" in out.getvalue()
+
+
+def test_each_round_starts_one_engine_later_after_the_same_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(serve_overhead, "_IDLE_S", 0.0)
+    monkeypatch.setattr(serve_overhead, "_settled_step_seconds", lambda port: calls.append("pause") or 1.0)
+    monkeypatch.setattr(serve_overhead, "_run_batch", lambda *a: calls.append("zmq") or 0.5)
+    monkeypatch.setattr(serve_overhead, "complete_batch", lambda *a: calls.append("http") or 0.4)
+    monkeypatch.setattr(serve_overhead.time, "sleep", lambda s: calls.append("pause"))
+
+    class Peer:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def generate(self, prompts: list[list[int]], n: int) -> Any:
+            calls.append(self.name)
+            return Namespace(seconds=0.3)
+
+        def complete(self, prompts: list[list[int]], n: int) -> float:
+            calls.append(self.name)
+            return 0.6
+
+    firsts = []
+    for rotation in range(5):
+        calls.clear()
+        measured = serve_overhead._round(rotation, [[1]], 2, "ep", 1, "http", "m", [Peer("vllm")], [Peer("srv")])  # type: ignore[list-item]
+        ran = [c for c in calls if c != "pause"]
+        firsts.append(ran[0])
+        # every engine once, each right after a pause (ours over ZMQ: one more, to read the worker's time)
+        assert sorted(ran) == ["http", "srv", "vllm", "zmq"]
+        assert all(calls[calls.index(name) - 1] == "pause" for name in ran)
+        assert measured == {"e2e_s": 0.5, "worker_s": 0.0, "http_s": 0.4, "vllm_s": 0.3, "srv_s": 0.6}
+    assert firsts == ["zmq", "http", "vllm", "srv", "zmq"]
