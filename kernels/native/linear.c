@@ -65,9 +65,10 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
         }
 }
 
+/* Four panels only ever go with up to four rows (run_panels), so only those tiles are built. */
 #define TILE_CASE(R_)                                                    \
     case R_:                                                             \
-        if (P == 4) tile(x, x_stride, p, K, bias, y, n, col, R_, 4);     \
+        if (R_ <= 4 && P == 4) tile(x, x_stride, p, K, bias, y, n, col, R_, 4);     \
         else if (P == 2) tile(x, x_stride, p, K, bias, y, n, col, R_, 2); \
         else tile(x, x_stride, p, K, bias, y, n, col, R_, 1);            \
         break;

@@ -32,11 +32,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, multiply_in_float32: bool = 
     library = native_build().library
     assert library is not None
     rows = _rows(x)
+    weight = weight.contiguous()  # a name keeps a copy alive across the call
     out = torch.empty(rows.shape, dtype=x.dtype)
     if rows.shape[0] > 0:
-        library.hm_rms_norm_f32(
-            rows.data_ptr(), rows.stride(0), weight.contiguous().data_ptr(), eps, out.data_ptr(), *rows.shape
-        )
+        library.hm_rms_norm_f32(rows.data_ptr(), rows.stride(0), weight.data_ptr(), eps, out.data_ptr(), *rows.shape)
     return out.view(x.shape)
 
 
@@ -47,11 +46,12 @@ def gated_rms_norm(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, g
     assert library is not None
     rows = _rows(x)
     gates = None if gate is None else _rows(gate)
+    weight = weight.contiguous()  # a name keeps a copy alive across the call
     out = torch.empty(rows.shape, dtype=x.dtype)
     if rows.shape[0] > 0:
         library.hm_gated_rms_norm_f32(
             rows.data_ptr(), rows.stride(0), None if gates is None else gates.data_ptr(),
-            0 if gates is None else gates.stride(0), weight.contiguous().data_ptr(), eps, group_size,
+            0 if gates is None else gates.stride(0), weight.data_ptr(), eps, group_size,
             out.data_ptr(), *rows.shape,
         )  # fmt: skip
     return out.view(x.shape)

@@ -202,6 +202,16 @@ def test_norms_match_reference(rows: int, width: int, group: int, gated: bool) -
     torch.testing.assert_close(
         native_norm.rms_norm(x, weight, 1e-6), norm.rms_norm(x, weight, 1e-6), rtol=1e-5, atol=1e-5
     )
+    strided = torch.randn(2 * width, generator=gen)[::2]  # copied to a contiguous weight for the kernel
+    torch.testing.assert_close(
+        native_norm.rms_norm(x, strided, 1e-6), norm.rms_norm(x, strided, 1e-6), rtol=1e-5, atol=1e-5
+    )
+    torch.testing.assert_close(
+        native_norm.gated_rms_norm(x, gate, strided, 1e-5, group),
+        norm.gated_rms_norm(x, gate, strided, 1e-5, group),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def _scan_inputs(gen: torch.Generator, batch: int, length: int, heads: int, head_dim: int, groups: int, n: int):
