@@ -17,7 +17,9 @@ OpenAI server (vllm_server.py, its defaults), compared with our time over HTTP t
 client. Speed ratio = theirs / ours: above 1, the server is faster. Runs alternate engine by engine
 within each round; every server stays up for the whole run (an idle server uses no CPU to speak of).
 Every timed run starts after the same idle pause (the one our worker's metrics need before our
-first run), so that none starts on cores still warm from the run before it, and each round starts
+first run), so that none starts on cores still warm from the run before it, and then once the
+CPUs are quiet (quiet_cpu.py: vLLM's server keeps a core busy for about a second after a batch,
+which the next engine would otherwise pay for), and each round starts
 one engine later than the round before (round r runs them rotated by r): on a VM the first steps
 after an idle spell are slower, and a fixed order put whatever that costs on our first run alone.
 """
@@ -45,6 +47,7 @@ from himamba.common.openmp_wait import describe_openmp_wait, openmp_wait_env
 from himamba.kernels.dispatch import describe_cpu_kernels
 from himamba.services.bench.at_once import wall_seconds_at_once
 from himamba.services.bench.http_completions import complete_batch, served_model
+from himamba.services.bench.quiet_cpu import wait_quiet
 from himamba.services.bench.servers import free_port, start_server
 from himamba.services.bench.vllm_server import VLLMServer
 from himamba.services.worker.bench_forward import HFEngine, checkpoint_dir
@@ -63,9 +66,17 @@ def worker_step_seconds(port: int) -> float:
 _IDLE_S = 4 * _REPORT_INTERVAL_S  # the pause before every timed run
 
 
+def _pause() -> None:
+    """The idle pause before a timed run, then a wait until no process keeps a core busy."""
+    time.sleep(_IDLE_S)
+    waited = wait_quiet()
+    if waited.measured and not waited.quiet:
+        sys.stderr.write(f"timing anyway: {waited.busy_cores:.2f} CPUs still busy after {waited.waited_s:.1f} s\n")
+
+
 def _settled_step_seconds(port: int) -> float:
     """The worker's step time once its latest report is in (it reports every _REPORT_INTERVAL_S)."""
-    time.sleep(_IDLE_S)
+    _pause()
     return worker_step_seconds(port)
 
 
@@ -104,15 +115,15 @@ def _round(
         measured["worker_s"] = _settled_step_seconds(port) - before
 
     def ours_http() -> None:
-        time.sleep(_IDLE_S)
+        _pause()
         measured["http_s"] = complete_batch(http, model, prompts, new_tokens)
 
     def bare(peer: GenerateEngine) -> None:
-        time.sleep(_IDLE_S)
+        _pause()
         measured[f"{peer.name}_s"] = peer.generate(prompts, new_tokens).seconds
 
     def server_peer(other: VLLMServer) -> None:
-        time.sleep(_IDLE_S)
+        _pause()
         measured[f"{other.name}_s"] = other.complete(prompts, new_tokens)
 
     order = [ours_zmq, ours_http]

@@ -42,11 +42,10 @@ def test_rounds_split_end_to_end_time_into_worker_and_server(tmp_path: Path) -> 
 
 def test_each_round_starts_one_engine_later_after_the_same_pause(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    monkeypatch.setattr(serve_overhead, "_IDLE_S", 0.0)
+    monkeypatch.setattr(serve_overhead, "_pause", lambda: calls.append("pause"))
     monkeypatch.setattr(serve_overhead, "_settled_step_seconds", lambda port: calls.append("pause") or 1.0)
     monkeypatch.setattr(serve_overhead, "_run_batch", lambda *a: calls.append("zmq") or 0.5)
     monkeypatch.setattr(serve_overhead, "complete_batch", lambda *a: calls.append("http") or 0.4)
-    monkeypatch.setattr(serve_overhead.time, "sleep", lambda s: calls.append("pause"))
 
     class Peer:
         def __init__(self, name: str) -> None:
