@@ -52,6 +52,26 @@ def test_decode_attention_matches_reference(q_heads: int, kv_heads: int, head_di
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(8, 2, 64), (6, 2, 24), (4, 4, 16)])
+def test_decode_attention_of_a_sequence_alone_equals_it_in_a_batch(q_heads: int, kv_heads: int, head_dim: int) -> None:
+    """A batch's task is a sequence with all its heads, a lone sequence's tasks are its kv heads: the
+    same products in the same order, so a sequence's output does not depend on its batch."""
+    gen = torch.Generator().manual_seed(7 * q_heads + head_dim)
+    lens = [200, 33, 1]
+    table = _slot_table(gen, lens, page=16, pages=40)
+    k_cache = torch.randn(40 * 16, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(40 * 16, kv_heads, head_dim, generator=gen)
+    q = torch.randn(len(lens), q_heads, head_dim, generator=gen) * 3
+    batched = native_attention.paged_attention_decode(q, k_cache, v_cache, table, torch.tensor(lens), 0.125)
+    for b, n in enumerate(lens):
+        alone = native_attention.paged_attention_decode(
+            q[b : b + 1], k_cache, v_cache, table[b : b + 1, :n], torch.tensor([n]), 0.125
+        )
+        torch.testing.assert_close(alone[0], batched[b], rtol=0, atol=0)
+    want = attention.paged_attention_decode(q[:1], k_cache, v_cache, table[:1], torch.tensor(lens[:1]), 0.125)
+    torch.testing.assert_close(batched[:1], want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("tokens", "prefix", "q_heads", "kv_heads", "head_dim"),
     [
