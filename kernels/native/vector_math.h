@@ -102,11 +102,40 @@ static inline float sum_squares(const float *x, int64_t n) {
 }
 
 /* C[m x n] = A[m x k] @ B[k x n] (or += when `accumulate`), all row-major with leading dims.
- * Four rows of C at a time, their columns in registers while k runs; sizes need not be multiples
- * of anything. For the scans' 64 x 64 x 64 products this runs near the machine's FMA rate. */
+ * Eight rows of C at a time with AVX-512 (then four), their columns in registers while k runs; sizes
+ * need not be multiples of anything. Each output is one multiply-add chain over k in order, from
+ * zero (C added last), whichever rows it falls in. Eight rows by 16 columns made the prefill
+ * attention 1.14-1.23x and the SSD scan up to 1.5x faster than four rows by 32 (2 threads). */
 static inline void gemm(const float *A, int64_t lda, const float *B, int64_t ldb, float *C, int64_t ldc, int64_t m,
                         int64_t n, int64_t k, int accumulate) {
     int64_t i = 0;
+#ifdef __AVX512F__
+    /* Eight rows by 16 columns: each A value feeds one multiply-add, which then loads it broadcast
+     * itself (a separate broadcast, as when one value feeds two, takes an FP pipe on AMD Zen 4). */
+    for (; i + 8 <= m; i += 8) {
+        const float *a = A + i * lda;
+        float *c = C + i * ldc;
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16) {
+            v16 s[8];
+            for (int r = 0; r < 8; r++) s[r] = (v16){0};
+            for (int64_t p = 0; p < k; p++) {
+                const v16 b = *(const v16 *)(B + p * ldb + j);
+                for (int r = 0; r < 8; r++) s[r] += a[r * lda + p] * b;
+            }
+            for (int r = 0; r < 8; r++) {
+                if (accumulate) s[r] += *(v16 *)(c + r * ldc + j);
+                *(v16 *)(c + r * ldc + j) = s[r];
+            }
+        }
+        for (; j < n; j++)
+            for (int r = 0; r < 8; r++) {
+                float t = 0;
+                for (int64_t p = 0; p < k; p++) t += a[r * lda + p] * B[p * ldb + j];
+                c[r * ldc + j] = accumulate ? c[r * ldc + j] + t : t;
+            }
+    }
+#endif
     for (; i + 4 <= m; i += 4) {
         const float *a0 = A + i * lda, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
         float *c0 = C + i * ldc, *c1 = c0 + ldc, *c2 = c1 + ldc, *c3 = c2 + ldc;
