@@ -17,8 +17,6 @@
 
 #include "vector_math.h"
 
-static inline v16 silu16(v16 v) { return v / (1.0f + exp16(-v)); }
-
 int64_t hm_conv_scan_f32(const float *x, int64_t x_sb, int64_t x_st, const float *weight, const float *bias,
                          const float *initial_state, int64_t silu, float *out, float *final_state, int64_t batch,
                          int64_t length, int64_t channels, int64_t width) {
@@ -51,7 +49,7 @@ int64_t hm_conv_scan_f32(const float *x, int64_t x_sb, int64_t x_st, const float
             for (; c < C; c++) {
                 float acc = bias != NULL ? bias[c] : 0.0f;
                 for (int64_t k = 0; k < width; k++) acc += taps[k * C + c] * ROW(t - keep + k)[c];
-                o[c] = silu ? acc / (1.0f + exp1(-acc)) : acc;
+                o[c] = silu ? silu1(acc) : acc;
             }
         }
     }

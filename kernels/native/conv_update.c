@@ -50,11 +50,8 @@ void hm_conv_update_f32(const float *x, int64_t x_stride, float *conv_state, con
          * channel, was most of the step's time). */
         if (silu) {
             int64_t c = 0;
-            for (; c + 16 <= channels; c += 16) {
-                const v16 v = *(v16 *)(o + c);
-                *(v16 *)(o + c) = v / (1.0f + exp16(-v));
-            }
-            for (; c < channels; c++) o[c] = o[c] / (1.0f + exp1(-o[c]));
+            for (; c + 16 <= channels; c += 16) *(v16 *)(o + c) = silu16(*(v16 *)(o + c));
+            for (; c < channels; c++) o[c] = silu1(o[c]);
         }
     }
 }

@@ -42,12 +42,11 @@ void hm_gated_rms_norm_f32(const float *x, int64_t x_stride, const float *gate, 
         for (; c + 16 <= width; c += 16) {
             v16 u = *(const v16 *)(xr + c);
             if (gr != NULL) {
-                const v16 g = *(const v16 *)(gr + c);
-                u *= g / (1.0f + exp16(-g));
+                u *= silu16(*(const v16 *)(gr + c));
             }
             *(v16 *)(o + c) = u;
         }
-        for (; c < width; c++) o[c] = gr != NULL ? xr[c] * (gr[c] / (1.0f + exp1(-gr[c]))) : xr[c];
+        for (; c < width; c++) o[c] = gr != NULL ? xr[c] * silu1(gr[c]) : xr[c];
         for (int64_t start = 0; start < width; start += group) {
             float *u = o + start;
             const float *w = weight + start;

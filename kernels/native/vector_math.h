@@ -1,5 +1,5 @@
 /* Shared by the native kernels: 16-float vectors (GCC/Clang vector extensions, compiled for this
- * CPU by -march=native), a vectorised exp for non-positive arguments, and a small row-major GEMM. */
+ * CPU by -march=native), a vectorised exp (and SiLU on it), and a small row-major GEMM. */
 #ifndef HIMAMBA_VECTOR_MATH_H
 #define HIMAMBA_VECTOR_MATH_H
 
@@ -31,6 +31,9 @@ static inline v16 exp16(v16 x) {
     return p * (v16)bits;
 }
 
+/* SiLU, v * sigmoid(v), as v / (1 + exp(-v)): 16 at a time, and one. */
+static inline v16 silu16(v16 v) { return v / (1.0f + exp16(-v)); }
+
 /* torch's softplus (beta 1, threshold 20). */
 static inline float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); }
 
@@ -39,6 +42,8 @@ static inline float exp1(float x) {
     v[0] = x;
     return exp16(v)[0];
 }
+
+static inline float silu1(float v) { return v / (1.0f + exp1(-v)); }
 
 /* The 16 lanes of a folded onto 8: lanes i and i + 8 added. */
 static inline v8 fold(v16 a) {
