@@ -3,6 +3,8 @@ end), and the tiny random-weight NemotronH checkpoint they serve with its transf
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from himamba.services.bench.servers import ServerProcess, start_server
@@ -15,7 +17,12 @@ def server_factory(tmp_path_factory):
     started: list[ServerProcess] = []
     log_dir = tmp_path_factory.mktemp("logs")
 
+    # The GPU check (scripts/gpu/check.sh) serves these modules' servers on its device.
+    device = os.environ.get("HIMAMBA_TEST_DEVICE")
+
     def start(model_dir, *flags, **kw) -> ServerProcess:
+        if device and "--device" not in flags:
+            flags = (*flags, "--device", device)
         s = start_server(model_dir, log_dir, *flags, **kw)
         started.append(s)
         return s

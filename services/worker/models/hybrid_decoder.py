@@ -229,8 +229,12 @@ class HybridDecoderLM(nn.Module):
         check_batch(batch, kv, state, self.num_attention_layers, self.num_recurrent_layers)
         with torch.inference_mode():
             h = self.run_layers(self.embed(batch.input_ids), batch, kv, state)
-            rows = batch.last_token_index if batch.logit_rows is None else batch.logit_rows
-            last = h.index_select(0, rows.to(h.device))
+            if batch.logit_rows is not None:
+                last = h.index_select(0, batch.logit_rows.to(h.device))
+            elif batch.mode == "decode":
+                last = h  # one new token per sequence: every row is a last token (and no host tensor to copy)
+            else:
+                last = h.index_select(0, batch.last_token_index.to(h.device))
             with threads_for(batch.head_threads):
                 return self.logits(last)
 
