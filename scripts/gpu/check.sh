@@ -4,7 +4,7 @@
 # minutes in all. Each step prints one `CHECK <name> PASS|FAIL|INFO|SKIP <figures>` line as it ends
 # and adds its record to RESULTS_DIR/gpu-check.json (logs and figures land there too).
 #
-#   scripts/gpu/check.sh [--rehearse | --dry-run] [--only STEP,...] [--wheels DIR] RESULTS_DIR
+#   scripts/gpu/check.sh [--rehearse | --dry-run] [--only STEP,...] [--wheels DIR] [--python PY] RESULTS_DIR
 #
 # Steps: install (the carried wheels and the project, offline, beside the image's torch), env
 # (versions; dispatch picks the Triton twins), kernels (every twin against its reference on CUDA,
@@ -17,13 +17,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
-mode=gpu only="" wheels=.gpu-wheels results=""
+mode=gpu only="" wheels=.gpu-wheels results="" py=python3
 while (($#)); do
     case "$1" in
         --rehearse) mode=rehearse ;;
         --dry-run) mode=dry-run ;;
         --only) only="$2"; shift ;;
         --wheels) wheels="$2"; shift ;;
+        --python) py="$2"; shift ;;
         -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
         -*) echo "check.sh: unknown option $1" >&2; exit 2 ;;
         *) results="$1" ;;
@@ -35,8 +36,7 @@ mkdir -p "$results" && results=$(cd "$results" && pwd)
 rm -f "$results/gpu-check.json"
 
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-py=python3
-record="$py -P scripts/gpu/check_record.py $results"
+record="python3 -P scripts/gpu/check_record.py $results"
 failures=0
 
 # name, time limit in seconds (on the GPU; the rehearsal's sizes are tiny), kind of result
@@ -65,8 +65,9 @@ env_cmd() {
 import importlib, pkgutil, torch
 import himamba.services, himamba.common, himamba.kernels
 from himamba.kernels import dispatch
-# Storage backends' clients are extras (pyproject's `storage`; Mooncake's wheel is the operator's).
-OPTIONAL = ("redis", "mooncake")
+# Storage backends' clients are extras (pyproject's `storage`; Mooncake's wheel is the operator's);
+# the Triton twins are imported only for CUDA tensors (a CPU server runs without triton).
+OPTIONAL = ("redis", "mooncake", "triton")
 names, optional = [], []
 for pkg in (himamba.common, himamba.kernels, himamba.services):
     for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):

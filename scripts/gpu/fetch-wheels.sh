@@ -5,6 +5,8 @@
 #
 #   scripts/gpu/fetch-wheels.sh [DIR]        (default: .gpu-wheels at the repository root)
 #
+# PYTHON_VERSION (default 3.12, the GPU images') picks the interpreter the wheels are for.
+#
 # The list is what himamba imports at run time and the images named in README.md do not ship, with
 # everything those wheels require: msgspec, pyzmq, llguidance and isal require nothing else.
 set -euo pipefail
@@ -24,7 +26,7 @@ for tag in manylinux_2_35_x86_64 manylinux_2_34_x86_64 manylinux_2_31_x86_64 man
 done
 for spec in "${wheels[@]}"; do
     echo "fetch-wheels: $spec"
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${PYTHON_VERSION:-3.12}" --implementation cp \
         "${platforms[@]}" -d "$dir" "$spec"
 done
 # A wheel that needs another distribution on CPython 3.12 / Linux would fail the offline install: say so here.
@@ -32,7 +34,9 @@ python3 - "$dir" <<'PY'
 import sys, zipfile
 from pathlib import Path
 from packaging.requirements import Requirement
-env = {"python_version": "3.12", "python_full_version": "3.12.3", "implementation_name": "cpython",
+import os
+version = os.environ.get("PYTHON_VERSION", "3.12")
+env = {"python_version": version, "python_full_version": version + ".0", "implementation_name": "cpython",
        "platform_python_implementation": "CPython", "sys_platform": "linux", "os_name": "posix",
        "platform_system": "Linux", "platform_machine": "x86_64", "extra": ""}
 missing = []
