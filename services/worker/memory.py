@@ -7,6 +7,8 @@ machine does not reserve gigabytes for nothing.
 
 from __future__ import annotations
 
+import os
+
 from typing import NamedTuple
 
 import torch
@@ -83,7 +85,9 @@ def plan_pools(cfg: Config, kv: KVSpec, state: StateSpec, device: torch.device) 
     if c.enable_hierarchical_cache and not c.disable_radix_cache:
         recurrent = state.num_layers > 0  # else the state pool is bookkeeping only: nothing on host
         host_pages, host_slots = host_sizes(c, pages, slots if recurrent else 0, kv_page_bytes, state_bytes)
-        check_host_fits(host_pages * kv_page_bytes + host_slots * state_bytes, host_memory_bytes())
+        host_bytes = host_pages * kv_page_bytes + host_slots * state_bytes
+        check_host_fits(host_bytes, host_memory_bytes())
+        check_shm_fits(host_bytes, shm_free_bytes())
     return PoolPlan(pages, slots, host_pages, host_slots, budget)
 
 
@@ -114,4 +118,28 @@ def check_host_fits(host_bytes: int, available: int) -> None:
             f"the host cache pools need {host_bytes / 1e9:.2f} GB but only {available / 1e9:.2f} GB of memory is "
             "available; lower --hicache-ratio or --hicache-size-gb (or --hicache-tokens / --hicache-mamba-slots), "
             "or --no-enable-hierarchical-cache"
+        )
+
+
+SHM_DIR = "/dev/shm"
+
+
+def shm_free_bytes() -> int:
+    """Free bytes of the tmpfs the host pools live in (common/host_pool.py's shared memory); a large
+    number when it cannot be read."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 1 << 62
+    return st.f_bavail * st.f_frsize
+
+
+def check_shm_fits(host_bytes: int, shm_free: int) -> None:
+    """Refuse host pools larger than /dev/shm has free. A container's /dev/shm is 64 MB unless it
+    is given more; a pool larger than that maps fine and then SIGBUSes the worker on first touch."""
+    if host_bytes > shm_free:
+        raise ValueError(
+            f"the host cache pools need {host_bytes / 1e9:.2f} GB of shared memory but {SHM_DIR} has "
+            f"{shm_free / 1e9:.2f} GB free; give it more (docker run --shm-size={-(-host_bytes // 2**30) + 1}g, or a "
+            "memory-backed emptyDir at /dev/shm on Kubernetes) or lower --hicache-ratio / --hicache-size-gb"
         )

@@ -59,6 +59,23 @@ def test_host_pools_larger_than_the_machine_are_refused_with_the_flags(monkeypat
     assert _plan(enable_hierarchical_cache=False).num_host_pages == 0  # no host tier: nothing to check
 
 
+def test_host_pools_larger_than_dev_shm_are_refused_naming_the_fix(monkeypatch):
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(memory, "shm_free_bytes", lambda: 64_000_000)  # a container's default 64 MB
+    with pytest.raises(ValueError, match="/dev/shm has 0.06 GB free") as e:
+        _plan(hicache_size_gb=0.1)
+    assert "--shm-size=" in str(e.value) and "--hicache-ratio" in str(e.value)
+    assert _plan(hicache_size_gb=0.05).num_host_pages > 0  # fits: served
+    assert _plan(enable_hierarchical_cache=False).num_host_pages == 0
+
+
+def test_dev_shm_free_space_is_read_from_the_filesystem():
+    import os
+
+    st = os.statvfs("/dev/shm")
+    assert memory.shm_free_bytes() == st.f_bavail * st.f_frsize
+
+
 def test_memory_fraction_of_free_or_of_total():
     """Ours: a share of what is free after the weights. sglang's --mem-fraction-static (of total):
     the process stays under that share of total memory, the pools get what is left under it."""
