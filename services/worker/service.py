@@ -37,6 +37,7 @@ from himamba.common.transport import Outbox
 from himamba.common.wire import WireError, tensor_ref
 from himamba.kernels.dispatch import describe_cpu_kernels
 from himamba.services.actor import Actor
+from himamba.services.worker.decode_graphs import DecodeGraphs, describe_capture, scratch_rows
 from himamba.services.worker.follow_on import LastSampled, resolve, sampled
 from himamba.services.worker.grammar_masks import GrammarCompiler
 from himamba.services.worker.heap_reuse import reuse_heap
@@ -102,8 +103,11 @@ class WorkerService(Actor[ToWorker]):
         kv_spec, state_spec = self.model.kv_spec(), self.model.state_spec()
         plan = plan_pools(cfg, kv_spec, state_spec, self.device)
         self.page_size = cfg.cache.page_size
-        self.kv = KVPool(kv_spec, plan.num_pages, self.page_size, self.device)
-        self.state = StatePool(state_spec, plan.num_state_slots, self.device)
+        # CUDA graphs pad decode batches with a scratch page and state slot past the controller's pools.
+        graphs = self.device.type == "cuda" and not cfg.model.disable_cuda_graph
+        self.kv = KVPool(kv_spec, plan.num_pages + graphs, self.page_size, self.device)
+        self.state = StatePool(state_spec, plan.num_state_slots + graphs, self.device)
+        self.num_state_slots = plan.num_state_slots  # the controller's: slot ids past it are the worker's
         layout = host_layout(self.kv, self.state, plan.num_host_pages, plan.num_host_state_slots)
         c = cfg.cache
         faults = CopyFaults(
@@ -131,6 +135,19 @@ class WorkerService(Actor[ToWorker]):
             host_layout=layout,
             pid=os.getpid(),
         )
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            self.graphs = DecodeGraphs(
+                self.model, self.kv, self.state, scratch_rows(plan.num_pages, self.page_size, plan.num_state_slots),
+                max_batch=min(cfg.model.cuda_graph_max_bs, cfg.scheduler.max_running_requests),
+                max_len=cfg.model.max_context_len + 1, device=self.device,
+            )  # fmt: skip
+            try:
+                self.log.info("%s", describe_capture(self.graphs.capture(lambda line: self.log.info("%s", line))))
+            except Exception as e:  # noqa: BLE001 - a forward that cannot be captured still serves, eagerly
+                self.graphs = None
+                torch.cuda.synchronize()
+                self.log.warning("CUDA graphs: capture failed (%s: %s); decode runs eagerly", type(e).__name__, e)
         for peer in (self.scheduler, self.cache, self.tokenizer):
             await peer.send(self.info)
         if self.info.random_weights:
@@ -235,7 +252,7 @@ class WorkerService(Actor[ToWorker]):
     def _forward(
         self, msg: RunBatch, frames: list[Any], head_threads: int | None
     ) -> tuple[BatchDone, list[torch.Tensor]]:
-        batch, states = build_forward_batch(msg, frames, self.tables, self.state.num_slots, self.device)
+        batch, states = build_forward_batch(msg, frames, self.tables, self.num_state_slots, self.device)
         batch.head_threads = head_threads
         self.host.unwritten.check_batch(msg.seqs, states, self.page_size)  # before anything is written
         zero = slots_to_zero(msg.mode, msg.seqs)
@@ -249,7 +266,9 @@ class WorkerService(Actor[ToWorker]):
         rows = plan_logit_rows(msg.mode, msg.seqs, states)
         if rows is not None:  # some sequence wants prompt logprobs: the model returns those rows too
             batch.logit_rows = rows.rows.to(self.device)
-        logits = self.model.forward(batch, self.kv, self.state)
+        logits = self.graphs.run(batch) if self.graphs is not None else None
+        if logits is None:  # no graph for this batch (or none at all): eager
+            logits = self.model.forward(batch, self.kv, self.state)
         prompt_lps = {}
         if rows is not None:
             prompt_lps = prompt_logprobs(logits, rows, batch.input_ids, states)
