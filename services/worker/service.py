@@ -50,6 +50,7 @@ from himamba.services.worker.pools import KVPool, StatePool
 from himamba.services.worker.runner import build_forward_batch, slots_to_zero
 from himamba.services.worker.sampler import sample
 from himamba.services.worker.step_threads import Choice, StepThreads
+from himamba.services.worker.warmup import warm_up_prefill
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -137,8 +138,11 @@ class WorkerService(Actor[ToWorker]):
         )
         self.graphs: DecodeGraphs | None = None
         if graphs:
+            scratch = scratch_rows(plan.num_pages, self.page_size, plan.num_state_slots)
+            seconds = warm_up_prefill(self.model, self.kv, self.state, scratch, self.page_size, self.device)
+            self.log.info("warm-up: prefill kernels compiled in %.1fs", seconds)
             self.graphs = DecodeGraphs(
-                self.model, self.kv, self.state, scratch_rows(plan.num_pages, self.page_size, plan.num_state_slots),
+                self.model, self.kv, self.state, scratch,
                 max_batch=min(cfg.model.cuda_graph_max_bs, cfg.scheduler.max_running_requests),
                 max_len=cfg.model.max_context_len + 1, device=self.device,
             )  # fmt: skip

@@ -108,3 +108,19 @@ def test_batches_the_buffers_cannot_hold_run_eagerly(tmp_path):
                           device=torch.device("cpu"))  # fmt: skip
     small.logit_rows = None
     assert narrow.padded_size(small) is None  # contexts longer than the table: eager
+
+
+def test_warm_up_prefills_touch_only_the_scratch_rows(tmp_path):
+    from himamba.services.worker.warmup import warm_up_prefill
+
+    model, [(h, _), _] = _twins(tmp_path, "NemotronH")
+    state_before = [{k: t.clone() for k, t in layer.items()} for layer in h.state.tensors]
+    kv_before = [k.clone() for k in h.kv.k]
+    scratch = scratch_rows(PAGES, PAGE, SLOTS)
+    assert warm_up_prefill(model, h.kv, h.state, scratch, PAGE, torch.device("cpu")) > 0
+    for layer, before in zip(h.state.tensors, state_before, strict=True):
+        for name, t in layer.items():
+            assert torch.equal(t, before[name])  # the scratch slot is zeroed again; the rest untouched
+    for k, before in zip(h.kv.k, kv_before, strict=True):
+        assert torch.equal(k[: PAGES * PAGE], before[: PAGES * PAGE])
+        assert k[PAGES * PAGE :].abs().sum() > 0  # the warm-up wrote its K into the scratch page
