@@ -62,6 +62,7 @@ def requires(*needs: DebianPackage) -> pytest.MarkDecorator:
 
 def skip_without(*needs: DebianPackage) -> None:
     """Skip the calling test (or fixture) when any of `needs` is missing, naming it."""
+    __tracebackhide__ = True  # pytest -rs then reports the caller's line, not this one
     reason = missing_reason(*needs)
     if reason is not None:
         pytest.skip(reason)
@@ -70,6 +71,7 @@ def skip_without(*needs: DebianPackage) -> None:
 def skip_without_mooncake() -> None:
     """Skip unless a Mooncake Store can start here: the wheel (a Python requirement of the tests,
     so its absence is an install to fix, named as such) and its Debian libraries."""
+    __tracebackhide__ = True
     if importlib.util.find_spec("mooncake") is None:
         pytest.skip("needs the Mooncake wheel (pip: mooncake-transfer-engine-non-cuda, in the test extra)")
     skip_without(*MOONCAKE_LIBRARIES)

@@ -18,6 +18,7 @@ GEN = 8
 
 
 def _store_flags(kind: str, tmp_path):
+    __tracebackhide__ = True  # a skip is reported at the test's line
     if kind == "redis":
         skip_without(REDIS)
         store = LocalRedis(tmp_path / "redis").start()

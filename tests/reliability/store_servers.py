@@ -35,6 +35,7 @@ def start_store(
     """Start a local store of `kind` (skip the test when it is not installed); returns it and the
     server flags that point at it. `small`: a store that fills up (Redis refuses writes when
     full; Mooncake has its smallest segment and evicts)."""
+    __tracebackhide__ = True  # a skip is reported at the test's line
     if kind == "redis":
         skip_without(REDIS)
         redis = LocalRedis(workdir, maxmemory_bytes=(2 << 20) if small else (256 << 20),
