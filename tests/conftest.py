@@ -4,8 +4,12 @@ draws new ones; a failure found that way is kept with `@example` once fixed."""
 
 from __future__ import annotations
 
-from hypothesis import settings
+import importlib.util
 
-settings.register_profile("ci", derandomize=True, database=None)
-settings.register_profile("explore", derandomize=False)
-settings.load_profile("ci")
+# The GPU check (scripts/gpu/check.sh) runs tests/gpu in an image without the test extra.
+if importlib.util.find_spec("hypothesis") is not None:
+    from hypothesis import settings
+
+    settings.register_profile("ci", derandomize=True, database=None)
+    settings.register_profile("explore", derandomize=False)
+    settings.load_profile("ci")
