@@ -46,24 +46,42 @@ def test_the_readme_runs_the_script_and_names_every_package_it_may_skip_for():
         assert any(package.names in row for row in rows), f"no skip row names {package.names}"
 
 
-def _run_without_packages(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+# What the fake apt-get "installs": each package's command, as an empty script.
+_COMMANDS = {"gcc": "cc", "prometheus": "promtool", "redis-server": "redis-server", "systemd": "systemd-analyze",
+             "util-linux": "prlimit"}  # fmt: skip
+
+
+def _run_without_packages(
+    tmp_path: Path, *args: str, root_with_apt: bool = False
+) -> tuple[subprocess.CompletedProcess[str], list[str]]:
     """The script on a PATH holding only the few tools it uses itself (no apt-get, no package's
-    command), with a python whose pip and pytest only record their arguments."""
+    command), with a python whose pip and pytest only record their arguments. `root_with_apt`:
+    `id -u` says 0 and an apt-get records its arguments and "installs" each package's command."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool in ("dirname", "mktemp", "rm", "id", "tail", "cat"):
-        found = shutil.which(tool)
-        assert found, tool
-        (bin_dir / tool).symlink_to(found)
     record = tmp_path / "record"
-    python = bin_dir / "python"
-    python.write_text(
-        "#!/bin/bash\n"
+    fakes = {
+        "python": "#!/bin/bash\n"
         f'if [[ $1 == -m ]]; then echo "$*" >>{record}; [[ $2 != pip ]] || cat "${{@: -3:1}}" >>{record}; exit 0; fi\n'
         f'exec {sys.executable} "$@"\n'
-    )
-    python.chmod(0o755)
-    env = {"PATH": str(bin_dir), "PYTHON": str(python), "HOME": str(tmp_path)}
+    }
+    if root_with_apt:
+        installs = " ".join(f"{package}) touch {bin_dir / command}; chmod +x {bin_dir / command};;"
+                            for package, command in _COMMANDS.items())  # fmt: skip
+        fakes["id"] = "#!/bin/bash\necho 0\n"
+        fakes["apt-get"] = (
+            f'#!/bin/bash\necho "apt-get $*" >>{record}\n'
+            f'[[ $1 != install ]] || for p in "$@"; do case $p in {installs} esac; done\n'
+        )
+    for tool in ("dirname", "mktemp", "rm", "id", "tail", "cat", "env", "touch", "chmod"):
+        if tool not in fakes:
+            found = shutil.which(tool)
+            assert found, tool
+            (bin_dir / tool).symlink_to(found)
+    for name, text in fakes.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": str(bin_dir), "PYTHON": str(bin_dir / "python"), "HOME": str(tmp_path)}
     out = subprocess.run(
         ["/bin/bash", str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=60, check=False
     )
@@ -91,3 +109,16 @@ def test_where_it_cannot_install_it_says_why_and_still_runs_the_tests(tmp_path):
     assert "no apt-get here: installing no Debian package" in out.stderr
     assert "missing Debian package redis-server" in out.stderr
     assert ran[-1] == "-m pytest -rs"
+
+
+def test_as_root_it_installs_every_missing_package_then_names_only_what_is_still_missing(tmp_path):
+    out, ran = _run_without_packages(tmp_path, root_with_apt=True)
+    assert out.returncode == 0, out.stderr
+    missing_here = [p for p in ALL if p.probe.startswith("cmd:") or not p.present()]
+    want = " ".join(p.names for p in missing_here)
+    assert f"installing Debian packages: {want}" in out.stdout
+    assert ran[:2] == ["apt-get update -qq", f"apt-get install -y -qq --no-install-recommends {want}"]
+    assert ran[-1] == "-m pytest -rs"
+    for package in ALL:  # the fake installed the commands, not the libraries
+        still = f"missing Debian package {package.names} " in out.stderr
+        assert still == (package.probe.startswith("lib:") and not package.present()), (package, out.stderr)
