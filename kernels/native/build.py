@@ -137,7 +137,7 @@ def native_build() -> NativeBuild:
         return NativeBuild(None, f"not built: native kernels are built on Linux only (this is {platform.system()})")
     cc = _compiler()
     if cc is None:
-        return NativeBuild(None, "not built: no C compiler (set CC, or install gcc)")
+        return NativeBuild(None, "not built: no C compiler (set CC, or install Debian package gcc libc6-dev)")
     try:
         version = subprocess.run(
             [*cc.split(), "--version"], capture_output=True, text=True, timeout=30, check=False

@@ -39,7 +39,7 @@ def test_without_both_buffered_strategies_there_is_no_ratio():
     assert "lazy_over_extra" not in summary_line(rows, comparison)
 
 
-@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="needs matplotlib (the bench extra)")
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="needs matplotlib (pip; in the test extra)")
 def test_plot_draws_one_bar_per_strategy(tmp_path):
     outcome = plot(tmp_path / "scheduler.png", [_row("extra_buffer", 10, 4), _row("no_buffer", 20, 2)], "title")
     assert outcome.written and (tmp_path / "scheduler.png").stat().st_size > 0

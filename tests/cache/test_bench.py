@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 
 import pytest
 
 from himamba.services.cache.bench import build_trace, main
+from tests.system_packages import REDIS, skip_without, skip_without_mooncake
 
 TRACE = ["--clients", "4", "--turns", "3", "--first", "32", "--each", "8", "--gen", "8", "--page-size", "4"]
 
@@ -72,10 +72,10 @@ def test_storage_tier_reports_backend_and_machine_bandwidth(capsys, tmp_path, ti
 def test_remote_backend_without_a_url_gets_a_local_store(capsys, tmp_path, tiny, backend):
     """`--backend redis|mooncake` with no --storage-url starts its own store, measures through
     it, and stops it."""
-    if backend == "redis" and shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
-    if backend == "mooncake" and importlib.util.find_spec("mooncake") is None:
-        pytest.skip("the mooncake wheel is not installed")
+    if backend == "redis":
+        skip_without(REDIS)
+    else:
+        skip_without_mooncake()
     args = [*tiny, "--tiers", "device,storage", "--backend", backend, "--storage-pages", "32", "--storage-page-kib", "16"]
     assert main(args) == 0
     out = capsys.readouterr().out

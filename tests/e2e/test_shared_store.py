@@ -11,22 +11,20 @@ from himamba.common.client import Client
 from himamba.services.cache.storage.local_stores import LocalMooncake, LocalRedis
 from tests.e2e.prompts import random_tokens
 from tests.e2e.storage_flags import STORAGE_FLAGS
+from tests.system_packages import REDIS, skip_without, skip_without_mooncake
 from tests.worker.hf_reference import greedy
 
 GEN = 8
 
 
 def _store_flags(kind: str, tmp_path):
+    __tracebackhide__ = True  # a skip is reported at the test's line
     if kind == "redis":
-        try:
-            store = LocalRedis(tmp_path / "redis").start()
-        except FileNotFoundError as e:
-            pytest.skip(str(e))
+        skip_without(REDIS)
+        store = LocalRedis(tmp_path / "redis").start()
         return store, ("--hicache-storage-backend", "redis", "--hicache-storage-url", store.url)
-    try:
-        store = LocalMooncake(tmp_path / "mooncake", segment_bytes=256 << 20).start()
-    except (FileNotFoundError, ImportError) as e:
-        pytest.skip(str(e))
+    skip_without_mooncake()
+    store = LocalMooncake(tmp_path / "mooncake", segment_bytes=256 << 20).start()
     return store, (
         "--hicache-storage-backend", "mooncake", "--hicache-storage-url", store.master_address,
         "--mooncake-metadata-server", store.metadata_server,

@@ -16,6 +16,7 @@ from himamba.common.client import Client, Completion
 from himamba.services.cache.storage.base import HEADER_BYTES
 from tests.e2e.prompts import random_tokens
 from tests.reliability.store_servers import wait_backups_settled, wait_metrics
+from tests.system_packages import REDIS, skip_without
 from tests.worker.hf_reference import greedy
 
 GEN = 8
@@ -88,10 +89,8 @@ def test_after_every_value_is_corrupted_prefetch_keeps_trying_and_hits_resume(
     else:
         from himamba.services.cache.storage.local_stores import LocalRedis
 
-        try:
-            redis_store = LocalRedis(tmp_path / "redis", maxmemory_bytes=256 << 20).start()
-        except (FileNotFoundError, ImportError) as e:
-            pytest.skip(str(e))
+        skip_without(REDIS)
+        redis_store = LocalRedis(tmp_path / "redis", maxmemory_bytes=256 << 20).start()
         store_flags = ("--hicache-storage-backend", "redis", "--hicache-storage-url", redis_store.url)
     try:
         # Stored by a first server.

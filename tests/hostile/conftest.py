@@ -9,7 +9,6 @@ hook armed for one seed (which no honest request uses).
 from __future__ import annotations
 
 import json
-import shutil
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from himamba.common.messages import ClientReply, ErrorReply, GenerateChunk
 from himamba.services.bench.servers import ServerProcess, start_server
 from himamba.services.modelgen.checkpoint import make_checkpoint
 from tests.http_request import HttpResult, free_port, http_request
+from tests.system_packages import UTIL_LINUX, skip_without
 
 API_KEY = "hostile-test-key"
 NAN_SEED = 424242  # the sampler's fault hook poisons rows with this seed
@@ -59,8 +59,7 @@ class Hostile:
 
 @pytest.fixture(scope="session")
 def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hostile]:
-    if shutil.which("prlimit") is None:
-        pytest.skip("prlimit (util-linux) is not installed")
+    skip_without(UTIL_LINUX)
     tmp = tmp_path_factory.mktemp("hostile")
     model = make_checkpoint("nemotron_h", tmp / "model", preset="tiny", seed=0)
     port = free_port()

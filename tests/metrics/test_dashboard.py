@@ -5,14 +5,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from types import ModuleType
 
-import pytest
-
 from himamba.common.metrics import exported_names
+from tests.system_packages import PROMETHEUS, requires
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "grafana"
@@ -65,7 +63,7 @@ def test_dashboard_covers_the_required_views():
         assert needle in text
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
+@requires(PROMETHEUS)
 def test_every_expression_is_valid_promql(tmp_path: Path):
     gen = _generator()
     exprs = [

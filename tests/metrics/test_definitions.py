@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shutil
 import subprocess
 import uuid
 
@@ -28,6 +27,7 @@ from himamba.common.metrics import (
 from himamba.common.metrics_exposition import merge_expositions
 from himamba.common.metrics_report import MetricsReporter, ServiceMetrics
 from himamba.common.transport import Outbox
+from tests.system_packages import PROMETHEUS, requires
 
 # The unit (or counted thing) each name ends with, before `_total`.
 UNITS = {"bytes", "seconds", "tokens", "requests", "ops", "hits", "slots", "in_flight", "truncations",
@@ -143,7 +143,7 @@ def test_reporter_sends_reports_to_the_tokenizer_inbox():
     assert "# TYPE himamba_worker_step_time_seconds histogram" in report.text
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
+@requires(PROMETHEUS)
 def test_promtool_accepts_all_services_together():
     # Plain concatenation would repeat the process families: the front door merges them.
     text = merge_expositions((MetricsReporter(s, None).render() for s in SERVICES), "m")

@@ -3,7 +3,6 @@ series labelled with the model name (escaped), and promtool accepts the result."
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import pytest
@@ -13,6 +12,7 @@ from himamba.common.config import CacheConfig, Config, ModelConfig
 from himamba.common.metrics import BUILD_INFO, BUILD_INFO_LABELS, PROCESS_METRICS, SERVICES
 from himamba.common.metrics_exposition import build_info_text, merge_expositions
 from himamba.common.metrics_report import MetricsReporter
+from tests.system_packages import PROMETHEUS, requires
 
 NAME = 'my "model"\\v2'
 
@@ -59,7 +59,7 @@ def test_labels_are_added_to_bare_and_labelled_samples():
     assert 'b{model_name="m"} 3' in merged
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
+@requires(PROMETHEUS)
 def test_promtool_accepts_the_page(page: str):
     result = subprocess.run(["promtool", "check", "metrics"], input=page, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

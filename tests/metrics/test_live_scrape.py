@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ import pytest
 
 from himamba.common.metrics import BUILD_INFO_LABELS, PROCESS_METRICS, SERVICES, metrics_of
 from tests.scrape import samples as scrape_samples
+from tests.system_packages import PROMETHEUS, requires
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE_SIZE = 16
@@ -83,7 +83,7 @@ def after_traffic(live: Any) -> str:
     return _scrape(live)
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
+@requires(PROMETHEUS)
 def test_promtool_accepts_the_scrape(after_traffic: str):
     result = subprocess.run(["promtool", "check", "metrics"], input=after_traffic, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tests.system_packages import SYSTEMD, requires
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("worker", "cache", "scheduler", "tokenizer")
@@ -75,7 +75,7 @@ def test_systemd_template_unit():
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 
 
-@pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed (Debian package systemd)")
+@requires(SYSTEMD)
 def test_systemd_analyze_verify_passes_on_the_shipped_units(tmp_path: Path):
     """`systemd-analyze verify` on the shipped units, with ExecStart overridden by a drop-in as the
     unit's comment and the README say (the fixed /opt/himamba/venv path does not exist here): no

@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from typing import Any
 import pytest
 
 from tests.http_request import free_port, http_request
+from tests.system_packages import PROMETHEUS, REDIS, requires
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "fleet-test-key-8d1f"
@@ -46,9 +46,7 @@ SERVER_FLAGS = ("--torch-threads", "1", "--max-total-tokens", "4096", "--max-mam
 ROUTER_FLAGS = ("--health-check-interval-secs", "1", "--health-failure-threshold", "1",
                 "--worker-startup-check-interval", "1", "--log-level", "warn")  # fmt: skip
 
-pytestmark = pytest.mark.skipif(
-    not (shutil.which("redis-server") and shutil.which("prometheus")), reason="needs redis-server and prometheus"
-)
+pytestmark = requires(REDIS, PROMETHEUS)
 
 
 def readme_fleet_block() -> list[str]:

@@ -11,12 +11,12 @@ import urllib.request
 from pathlib import Path
 from typing import NamedTuple
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from himamba.common.client import AsyncClient, Completion
 from himamba.services.cache.storage.local_stores import LocalMooncake, LocalRedis
 from tests.reliability.prompts import MAX_CONTEXT_LEN, Prompt, random_ids
+from tests.system_packages import REDIS, skip_without, skip_without_mooncake
 
 # Device and host tiers far smaller than the conversations, so that later turns need the store;
 # wait_complete: an admitted request waits for its prefetch, so a stored prefix is always a hit.
@@ -35,21 +35,14 @@ def start_store(
     """Start a local store of `kind` (skip the test when it is not installed); returns it and the
     server flags that point at it. `small`: a store that fills up (Redis refuses writes when
     full; Mooncake has its smallest segment and evicts)."""
-    try:
-        if kind == "redis":
-            redis = LocalRedis(workdir, maxmemory_bytes=(2 << 20) if small else (256 << 20),
-                               policy="noeviction" if small else "allkeys-lru").start()  # fmt: skip
-            return redis, (
-                "--hicache-storage-backend",
-                "redis",
-                "--hicache-storage-url",
-                redis.url,
-            )
-        mooncake = LocalMooncake(
-            workdir, segment_bytes=(16 << 20) if small else (256 << 20)
-        ).start()
-    except (FileNotFoundError, ImportError) as e:
-        pytest.skip(str(e))
+    __tracebackhide__ = True  # a skip is reported at the test's line
+    if kind == "redis":
+        skip_without(REDIS)
+        redis = LocalRedis(workdir, maxmemory_bytes=(2 << 20) if small else (256 << 20),
+                           policy="noeviction" if small else "allkeys-lru").start()  # fmt: skip
+        return redis, ("--hicache-storage-backend", "redis", "--hicache-storage-url", redis.url)
+    skip_without_mooncake()
+    mooncake = LocalMooncake(workdir, segment_bytes=(16 << 20) if small else (256 << 20)).start()
     flags = (
         "--hicache-storage-backend", "mooncake", "--hicache-storage-url", mooncake.master_address,
         "--mooncake-metadata-server", mooncake.metadata_server,

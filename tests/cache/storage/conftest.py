@@ -4,21 +4,19 @@ and stop every process they started by PID when the module ends, passed or faile
 
 from __future__ import annotations
 
-import importlib
-import shutil
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from himamba.services.cache.storage.local_stores import LocalMooncake, LocalRedis
+from tests.system_packages import REDIS, skip_without, skip_without_mooncake
 
 
 @pytest.fixture(scope="module")
 def redis_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., LocalRedis]]:
     """`start(maxmemory_bytes=..., policy=...)` -> a running LocalRedis."""
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does it)")
+    skip_without(REDIS)
     started: list[LocalRedis] = []
 
     def start(**kw: Any) -> LocalRedis:
@@ -37,10 +35,7 @@ def redis_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
 def mooncake_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., LocalMooncake]]:
     """`start(segment_bytes=..., lease_ttl_ms=..., run=True)` -> a LocalMooncake (running unless
     `run=False`)."""
-    try:
-        importlib.import_module("mooncake.store")
-    except ImportError as e:
-        pytest.skip(f"the Mooncake wheel is not usable ({e}); .ci/run installs it and its Debian libraries")
+    skip_without_mooncake()
     started: list[LocalMooncake] = []
 
     def start(*, run: bool = True, **kw: Any) -> LocalMooncake:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
+import tempfile
 import threading
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +29,7 @@ from himamba.services.cache.storage.file import (
 FP = bytes(range(32))
 OTHER_FP = bytes(range(100, 132))
 PAGE = 256
+_NOBODY = 65534  # the overflow uid: owns nothing on the machine
 
 
 def _keys(n: int, salt: int = 0) -> list[bytes]:
@@ -223,14 +228,48 @@ def test_a_read_only_store_refuses_writes_cleanly_and_logs_once(
     assert n == 2 and np.array_equal(out[:2], pages[:2])
 
 
-@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root ignores directory permissions")
-def test_a_chmod_read_only_directory_refuses_writes(tmp_path: Path) -> None:
-    b = FileBackend(FP, tmp_path)
+def _chmod_read_only_refuses_writes(root: Path) -> None:
+    b = FileBackend(FP, root)
     os.chmod(b.dir, 0o555)
     try:
         assert _store(b, _keys(2), _pages(2)) == [False, False]
     finally:
         os.chmod(b.dir, 0o755)
+
+
+def _as_nobody(check: Callable[[Path], None]) -> None:
+    """Run `check(dir)` in a forked child that has given up root, in a fresh directory it owns:
+    root writes through directory modes, so the check would prove nothing as root. The child
+    cannot import from root's home, so the caller runs the same code path once first."""
+    top = Path(tempfile.mkdtemp(prefix="himamba-nobody-", dir="/tmp"))  # /tmp: reachable by nobody
+    os.chown(top, _NOBODY, _NOBODY)
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports by its exit status
+            code = 1
+            try:
+                os.setgroups([])
+                os.setgid(_NOBODY)
+                os.setuid(_NOBODY)
+                check(top)
+                code = 0
+            except BaseException:  # noqa: BLE001 - whatever fails, the child must exit with 1
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the check failed as nobody (traceback on stderr)"
+    finally:
+        shutil.rmtree(top)
+
+
+def test_a_chmod_read_only_directory_refuses_writes(tmp_path: Path) -> None:
+    # The same writes into a writable directory are stored (and, as root, import what the child needs).
+    assert _store(FileBackend(FP, tmp_path / "writable"), _keys(2), _pages(2)) == [True, True]
+    if os.geteuid() == 0:
+        _as_nobody(_chmod_read_only_refuses_writes)
+    else:
+        _chmod_read_only_refuses_writes(tmp_path / "read-only")
 
 
 def test_an_unusable_directory_refuses_writes_and_misses_reads(tmp_path: Path) -> None:
