@@ -2,7 +2,7 @@
 sizes, bf16) with random weights generated on the device, in process (no 16 GB checkpoint written).
 
 Decode tok/s at each batch (context `--context`), eager and, on CUDA, replayed from a CUDA graph
-of the model's decode forward; prefill tok/s of one prompt at each length. Each figure stands beside
+(the server's DecodeGraphs, input copies included); prefill tok/s of one prompt at each length. Each figure stands beside
 its roofline: decode by the bytes a step must move (weights, KV, state read and written) over the
 measured device copy bandwidth; prefill by its FLOPs over the measured bf16 matmul rate.
 
@@ -24,6 +24,7 @@ import torch
 
 from himamba.services.modelgen.hf_configs import nemotron_h_config
 from himamba.services.worker.bench_forward import model_cost
+from himamba.services.worker.decode_graphs import DecodeGraphs, Scratch
 from himamba.services.worker.forward_batch import ForwardBatch
 from himamba.services.worker.models.hf_config import read_config_json
 from himamba.services.worker.models.registry import architecture_of, model_class
@@ -195,18 +196,13 @@ def decode(model, batch: int, context: int, steps: int, device: torch.device, gr
         out["graph"] = "SKIP (no CUDA)"
         return out
     try:
+        # The server's own graphs (services/worker/decode_graphs.py): page 0 and state slot 0 are the
+        # Decoder's unused rows, its scratch. Only this batch's size is captured.
+        graphs = DecodeGraphs(model, d.kv, d.state, Scratch(token_slot=0, state_slot=0), max_batch=batch,
+                              max_len=d.table.shape[1], device=device)  # fmt: skip
+        graphs.sizes = [batch]
         with torch.inference_mode():
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    d.forward()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            t0 = time.perf_counter()
-            with torch.cuda.graph(graph):
-                static_logits = d.forward()
-            capture_s = time.perf_counter() - t0
+            out["graph_capture_s"] = graphs.capture().seconds
             if compare:  # only at the smallest batch: a copy of the pools would be GBs at 128
                 # The same inputs through the graph and eagerly, from the same state: the logits must agree.
                 pool = [t for layer in d.state.tensors for t in layer.values()]
@@ -214,21 +210,18 @@ def decode(model, batch: int, context: int, steps: int, device: torch.device, gr
                 eager_logits = d.forward().float()
                 for t, s in zip(pool, saved, strict=True):
                     t.copy_(s)
-                graph.replay()
-                sync(device)
-                out["graph_vs_eager_max_abs_diff"] = (static_logits.float() - eager_logits).abs().max().item()
+                graph_logits = graphs.run(d.fb)
+                out["graph_vs_eager_max_abs_diff"] = (graph_logits.float() - eager_logits).abs().max().item()
                 del saved
             for _ in range(3):
-                graph.replay()
-                d.advance(static_logits)
+                d.advance(graphs.run(d.fb))
             sync(device)
             t0 = time.perf_counter()
             for _ in range(steps):
-                graph.replay()
-                d.advance(static_logits)
+                d.advance(graphs.run(d.fb))
             sync(device)
             replay = (time.perf_counter() - t0) / steps
-        out.update(graph_ms_per_step=replay * 1e3, graph_tok_per_s=batch / replay, graph_capture_s=capture_s)
+        out.update(graph_ms_per_step=replay * 1e3, graph_tok_per_s=batch / replay)
     except Exception as e:  # the figure says why capture failed; the step goes on
         out["graph"] = f"capture failed: {type(e).__name__}: {str(e)[:300]}"
     return out
