@@ -117,6 +117,7 @@ class WorkerService(Actor[ToWorker]):
             exit_marker=instance_dir(cfg) / "debug-worker-exit.fired" if c.debug_worker_exit_at_transfer else None,
         )
         self.host = HostTransfer(self.kv, self.state, layout, self.device, faults)
+        self.log.info("%s", self.host.describe())
         tokenizer_json = Path(cfg.model.tokenizer or cfg.model.model) / "tokenizer.json"
         self.grammars = GrammarCompiler(tokenizer_json, self.model.vocab_size, read_eos_token_ids(model_dir))
         self.tables = PageTables(self.page_size, plan.num_pages, self.model.vocab_size, self.device, self.grammars)

@@ -157,7 +157,13 @@ def assert_host_round_trip_continues(model: HybridModel) -> None:
     """Host-tier prefix hit: the prefix's KV pages and captured state go to the shared host pools
     (d2h), the device copies are wiped, they come back to other pages and slot (h2d), and the
     continuation equals a full prefill. A model without attention gets no host KV pool (a KV pool
-    of zero layers cannot be mapped in shared memory today)."""
+    of zero layers cannot be mapped in shared memory today). Both copy paths: pageable, and the
+    packed runs pinned host pools get on CUDA."""
+    for packed in (False, True):
+        _host_round_trip(model, packed)
+
+
+def _host_round_trip(model: HybridModel, packed: bool) -> None:
     prefix = prompt(model.vocab_size, 32, seed=6)
     suffix = prompt(model.vocab_size, 13, seed=7)
     harness = Harness(model, page_size=16, num_pages=32)
@@ -168,7 +174,7 @@ def assert_host_round_trip_continues(model: HybridModel) -> None:
 
     has_kv = model.kv_spec().num_layers > 0
     layout: HostPoolLayout = host_layout(harness.kv, harness.state, num_pages=4 if has_kv else 0, num_slots=2)
-    transfer = HostTransfer(harness.kv, harness.state, layout, torch.device("cpu"))
+    transfer = HostTransfer(harness.kv, harness.state, layout, torch.device("cpu"), packed=packed)
     try:
         transfer.run(
             Transfer(

@@ -102,3 +102,12 @@ def test_the_exit_hook_dies_mid_order_once_per_instance(copier, tmp_path):
 
     assert incarnation() == 70 and marker.exists()
     assert incarnation() == 0  # restarted with the same settings: the hook is spent
+
+
+def test_host_runs_group_consecutive_host_ids_in_order():
+    from himamba.services.worker.host_transfer import host_runs
+
+    assert host_runs([]) == []
+    assert host_runs([4, 5, 6]) == [(0, 4, 3)]
+    assert host_runs([7, 2, 3, 9, 10, 4]) == [(0, 7, 1), (1, 2, 2), (3, 9, 2), (5, 4, 1)]
+    assert host_runs([3, 2]) == [(0, 3, 1), (1, 2, 1)]  # descending ids are separate runs
