@@ -40,7 +40,7 @@ record="python3 -P scripts/gpu/check_record.py $results"
 failures=0
 
 # name, time limit in seconds (on the GPU; the rehearsal's sizes are tiny), kind of result
-steps=(install:30:info env:20:info kernels:100:tests parity:70:tests serve:100:tests throughput:90:figures copies:20:figures)
+steps=(install:30:info env:20:info kernels:100:tests parity:70:tests serve:100:tests throughput:90:figures copies:40:figures)
 
 wanted() { [[ -z "$only" || ",$only," == *",$1,"* ]]; }
 

@@ -79,6 +79,41 @@ def measure(nbytes: int, cuda: bool) -> dict:
     return out
 
 
+def host_transfer(cuda: bool, rehearse: bool) -> dict:
+    """The worker's own copy orders (services/worker/host_transfer.py) at the 8B shape: 128 scattered
+    KV pages and 8 state slots each way, packed runs (pinned host pools) against pageable copies."""
+    from himamba.common.messages import Transfer
+    from himamba.services.worker.host_transfer import HostTransfer, host_layout
+    from himamba.services.worker.pools import KVPool, KVSpec, StateComponent, StatePool, StateSpec
+
+    device = torch.device("cuda" if cuda else "cpu")
+    pages, slots = (8, 2) if rehearse else (128, 8)
+    layers = 1 if rehearse else 24
+    kv = KVPool(KVSpec(1 if rehearse else 4, 8, 128, torch.bfloat16), 2 * pages, 16, device)
+    comps = (StateComponent("conv", (10240, 3), torch.bfloat16), StateComponent("ssm", (128, 64, 128), torch.float32))
+    state = StatePool(StateSpec(tuple(comps for _ in range(layers))), 2 * slots, device)
+    gen = torch.Generator().manual_seed(0)
+    dev_pages = torch.randperm(2 * pages, generator=gen)[:pages].tolist()
+    host_pages = torch.randperm(2 * pages, generator=gen)[:pages].tolist()  # scattered: many runs
+    dev_slots, host_slots = list(range(slots)), list(range(slots))
+    out: dict = {"pages": pages, "slots": slots}
+    nbytes = pages * kv.spec.bytes_per_token() * 16 + slots * state.spec.bytes_per_slot()
+    for packed in (False, True):
+        t = HostTransfer(kv, state, host_layout(kv, state, 2 * pages, 2 * slots), device, packed=packed)
+        try:
+            name = "packed" if packed else "pageable"
+            if packed and cuda and t.pinned:
+                out[name] = t.pinned
+                continue
+            d2h = Transfer(1, "d2h", dev_pages, host_pages, dev_slots, host_slots)
+            h2d = Transfer(2, "h2d", host_pages, dev_pages, host_slots, dev_slots)
+            out[f"{name}_d2h_GBps"] = rate(lambda: t.run(d2h), nbytes, cuda)
+            out[f"{name}_h2d_GBps"] = rate(lambda: t.run(h2d), nbytes, cuda)
+        finally:
+            t.close()
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, type=Path)
@@ -91,6 +126,8 @@ def main() -> int:
     for name, nbytes in (("kv_pages", pages * KV_PAGE_BYTES), ("states", states * STATE_BYTES)):
         figures[name] = measure(nbytes, cuda)
         progress(f"{name} ({pages if name == 'kv_pages' else states}): {json.dumps(figures[name])}")
+    figures["host_transfer"] = host_transfer(cuda, a.rehearse)
+    progress(f"host_transfer: {json.dumps(figures['host_transfer'])}")
     a.out.write_text(json.dumps(figures, indent=1))
     return 0
 
