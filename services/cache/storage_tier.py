@@ -277,6 +277,13 @@ class StorageTier:
                 self._end(pf, "no_host_memory")
                 return
             self.counters.truncations += 1
+        if self.needs_state:
+            assert self.host_state is not None
+            if self.host_state.num_free + self.tree.host_states_evictable < 1:
+                # Every host state is pinned (waiting requests' prefetches, backups, load-backs):
+                # refused before any host page is evicted for it.
+                self._end(pf, "no_host_slot")
+                return
         need = n - pf.first_page
         pages = self.host_kv.alloc(need)
         if pages is None:
@@ -295,6 +302,8 @@ class StorageTier:
                 self.tree.evict_host_state(1)
                 got = self.host_state.alloc(1)
             if got is None:
+                # Unreachable: a slot was counted free or evictable before the KV eviction.
+                _log.error("storage prefetch of %s: host state eviction freed less than it counted", pf.rid)
                 self.host_kv.free(pages)
                 self._end(pf, "no_host_slot")
                 return

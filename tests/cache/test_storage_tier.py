@@ -432,3 +432,36 @@ def test_a_prefix_whose_stored_values_were_all_corrupted_is_written_again_and_hi
     assert hits[0] == 0 and hits[-1] == 40, hits
     assert rig.backend.stats().num_corrupt > 0
     rig.close()
+
+
+def test_a_prefetch_that_cannot_have_a_host_state_slot_evicts_nothing(tmp_path):
+    """Every host state slot pinned (another waiting request's prefetch holds it): the prefetch
+    is refused before any host page is evicted for it."""
+    toks = _prompt(41, 7)  # 10 pages in storage
+    first = Rig(tmp_path)
+    first.serve("a", toks, prefetch=False)
+    first.drain()
+    first.close()
+    rig = Rig(tmp_path, host_pages=12, host_slots=1, hicache_storage_prefetch_policy="wait_complete")
+    for i in range(3):
+        rig.serve(f"o{i}", _prompt(9, 100 + i), prefetch=False)  # 6 host pages, evictable
+    rig.drain()
+    tree = rig.ctrl.tree
+    stack, holder = [tree.root], None
+    while stack:
+        n = stack.pop()
+        stack.extend(n.children.values())
+        if n is not tree.root and n.host_state is not None:
+            holder = n
+    assert holder is not None
+    pin = tree.protect_host(holder, kv=False, state=True)
+    assert rig.ctrl.host_state.num_free == 0 and tree.host_states_evictable == 0
+    used = tree.host_pages_used
+    rig.ctrl.apply(Prefetch(rid="p", tokens=toks))
+    _wait_lookup(rig, "p")
+    assert rig.tier.counters.outcomes["prefetch_no_host_slot"] == 1
+    assert tree.host_pages_used == used, "host KV was evicted for a prefetch that was then refused"
+    tree.release_host(pin)
+    rig.ctrl.apply(CancelPrefetch(rid="p"))
+    rig.drain()
+    rig.close()
