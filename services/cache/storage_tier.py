@@ -247,10 +247,15 @@ class StorageTier:
         pf = _Prefetch(rid, keys, toks, host_len // ps, base_len, now, now + self.cfg.prefetch_timeout_max_s)
         pf.anchor_pin = anchor_pin
         if self.cfg.hicache_storage_prefetch_policy == "timeout":
-            budget = self.cfg.prefetch_timeout_base_s + self.cfg.prefetch_timeout_per_ki_token_s * usable / 1024
-            pf.deadline = now + min(budget, self.cfg.prefetch_timeout_max_s)
+            pf.deadline = now + self._timeout_s(usable)
         pf.lookup = self.io.lookup(keys, needs_state=self.needs_state)
         self.prefetches[rid] = pf
+
+    def _timeout_s(self, num_tokens: int) -> float:
+        """The timeout policy's wait for a prefetch of `num_tokens`."""
+        cfg = self.cfg
+        budget = cfg.prefetch_timeout_base_s + cfg.prefetch_timeout_per_ki_token_s * num_tokens / 1024
+        return min(budget, cfg.prefetch_timeout_max_s)
 
     def _useless(self, pf: _Prefetch, hit: StorageHit) -> bool:
         """A miss: storage holds less than the threshold beyond what the tree serves."""
@@ -313,6 +318,10 @@ class StorageTier:
         state = StateCopy(plan.keys[-1], slot) if slot is not None else None
         if slot is not None and self.cfg.hicache_storage_prefetch_policy == "best_effort":
             pf.mid = self._mid_states(hit, pf.first_page, n)
+            if not pf.mid:
+                # Nothing to stop at short of the end: admission waits for the whole fetch (see
+                # admit_gate), for no longer than the timeout policy would.
+                pf.deadline = min(pf.deadline, pf.started + self._timeout_s(len(plan.tokens)))
         pf.handle = self.io.submit_prefetch(
             plan.keys[plan.first_page :], plan.host_pages, state, tag=("prefetch", pf.rid),
             mid_states=[(at - plan.first_page, StateCopy(plan.keys[at - 1], s)) for at, s in pf.mid],
@@ -416,6 +425,10 @@ class StorageTier:
             self._give_up(pf)  # no prefetch stalls a request past its deadline
             return AdmitGate(False, (0, 0))
         if policy == "best_effort" and not pf.revoked and pf.handle is not None:
+            if self.needs_state and not pf.mid:
+                # A hybrid fetch with no stored state before its end is one atomic unit: revoking
+                # it would discard every page that arrived. Wait for it (deadline set above).
+                return AdmitGate(True, (0, 0))
             # Take what has arrived: the job stops at its next batch boundary and is finalised.
             pf.revoked = True
             pf.handle.revoke()

@@ -465,3 +465,51 @@ def test_a_prefetch_that_cannot_have_a_host_state_slot_evicts_nothing(tmp_path):
     rig.ctrl.apply(CancelPrefetch(rid="p"))
     rig.drain()
     rig.close()
+
+
+def test_best_effort_waits_for_a_hybrid_fetch_with_no_state_before_its_end(tmp_path):
+    """A prefix stored by one request has its only state at its end: revoking the fetch at the
+    first admission attempt would discard every page that arrived (the review saw 0 tokens
+    served where wait_complete serves 40), so best_effort waits for the whole fetch instead."""
+    toks = _prompt(41, 4)
+    first = Rig(tmp_path)
+    first.serve("a", toks)
+    first.drain()
+    first.close()
+    gate = _Gate(tmp_path, allow=4)
+    rig = Rig(tmp_path, backend=gate, hicache_storage_prefetch_policy="best_effort")
+    rig.ctrl.apply(Prefetch(rid="x", tokens=toks + [7]))
+    _wait_lookup(rig, "x")
+    assert rig.tier.prefetches["x"].plan is not None and not rig.tier.prefetches["x"].mid
+    assert gate.blocked.wait(10)  # 4 pages arrived; the rest is slow
+    res = rig.ctrl.admit(Admit(rid="x", tokens=toks + [7], num_slots=1))
+    assert res.prefetching and not rig.tier.prefetches["x"].revoked
+    gate.go.set()
+    res = rig.serve("x", toks + [7], prefetch=False)  # checks every served byte
+    assert res.cached.storage == 40 == res.cached_len, "the fetched prefix was discarded"
+    rig.drain()
+    rig.close()
+
+
+def test_best_effort_waits_for_a_stateless_hybrid_fetch_no_longer_than_the_timeout(tmp_path):
+    toks = _prompt(41, 4)
+    first = Rig(tmp_path)
+    first.serve("a", toks)
+    first.drain()
+    first.close()
+    gate = _Gate(tmp_path, allow=4)
+    rig = Rig(
+        tmp_path,
+        backend=gate,
+        hicache_storage_prefetch_policy="best_effort",
+        prefetch_timeout_base_s=0.05,
+        prefetch_timeout_per_ki_token_s=0.0,
+    )
+    rig.ctrl.apply(Prefetch(rid="x", tokens=toks + [7]))
+    _wait_lookup(rig, "x")
+    assert gate.blocked.wait(10)
+    res = rig.serve("x", toks + [7], prefetch=False)  # the gate never opens: the deadline admits it
+    assert res.cached_len == 0
+    gate.go.set()
+    rig.drain()
+    rig.close()
