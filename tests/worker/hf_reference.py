@@ -378,6 +378,7 @@ VARIED_CONFIGS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
             "tie_word_embeddings": True,
         },
         "Zamba2": {
+            "attention_head_dim": 24,  # transformers derives 2 * hidden / heads (32) unless a config sets it
             "num_key_value_heads": 2,
             "use_shared_attention_adapter": False,
             "intermediate_size": 80,
