@@ -392,6 +392,7 @@ VARIED_CONFIGS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 "original_max_position_embeddings": 40,
             },
             "use_mem_rope": True,
+            "time_step_min": 0.01,  # the mixer's dt clamp in prefill
             "mamba_d_state": 8,
             "n_mamba_heads": 6,
             "mamba_expand": 3,
