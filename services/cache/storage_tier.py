@@ -8,7 +8,8 @@ A page counts as stored only once the backend acknowledged it.
 
 Prefetch: `start(rid, tokens)` asks storage (off-thread lookup) how far it holds the prompt; when
 that is >= `prefetch_threshold` tokens beyond what the tree can serve, host memory is allocated for
-the hit pages only (evicting host, then taking the page-aligned free size) and a job fetches them.
+the hit pages only (evicting host, then taking the page-aligned free size) and a job fetches them;
+whether the pages and (hybrid) a host state slot can be had is decided before anything is evicted.
 While it runs the last host node before the fetched range is pinned for KV. When the job completes
 (done, partial, revoked, failed, refused) it is FINALISED at once, whatever its request does: the
 fetched pages and state join the tree as host nodes (`RadixTree.insert_host`), and, while the
