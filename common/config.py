@@ -316,7 +316,10 @@ class CacheConfig(_Section):
     mooncake_protocol: Annotated[Literal["tcp", "rdma"], doc("Mooncake's transfer protocol.")] = "tcp"
     hicache_storage_prefetch_policy: Annotated[
         Literal["best_effort", "wait_complete", "timeout"],
-        doc("How long admission waits for a storage prefetch: not at all, until it completes, or up to a timeout."),
+        doc(
+            "How long admission waits for a storage prefetch: not at all (a hybrid model's fetch with no stored"
+            " state before its end: until it completes, at most the timeout), until it completes, or up to a timeout."
+        ),
     ] = "timeout"
     prefetch_threshold: Annotated[NonNegInt, doc("Storage hits shorter than this many tokens are not prefetched.")] = (
         256

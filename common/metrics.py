@@ -74,7 +74,12 @@ _LOWER = (("tier", LOWER_TIERS),)
 
 # ---------------------------------------------------------------- cache controller: pools
 POOL_CAPACITY_BYTES = MetricDef(
-    "himamba_pool_capacity_bytes", "Size of the pool of this tier and kind.", "gauge", "cache", _TL
+    "himamba_pool_capacity_bytes",
+    "Size of the pool of this tier and kind; storage's kinds share one cap, so there a kind's capacity is what"
+    " it holds plus the shared free part (0: no cap).",
+    "gauge",
+    "cache",
+    _TL,
 )
 POOL_USED_BYTES = MetricDef(
     "himamba_pool_used_bytes",

@@ -168,6 +168,8 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 "Pool capacity",
                 (Target(f"sum by (tier, kind) ({_sel(m.POOL_CAPACITY_BYTES)})", "{{tier}} {{kind}}"),),
                 "bytes",
+                "Storage KV and states share one cap: each kind's line is what it holds plus the shared free part,"
+                " so the storage lines do not add up.",
             ),
             Panel(
                 "Mamba track slots in use",

@@ -69,6 +69,7 @@ class ServerProcess:
     endpoints: dict[str, str]
     log_path: Path
     own_instance_dir: Path | None = None  # a runtime directory made for this run: removed after it stops
+    own_scratch_dir: Path | None = None  # its storage tier, in the system's temp directory: removed too
 
     @property
     def endpoint(self) -> str:
@@ -103,8 +104,9 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-        if self.own_instance_dir is not None:
-            shutil.rmtree(self.own_instance_dir, ignore_errors=True)
+        for own in (self.own_instance_dir, self.own_scratch_dir):
+            if own is not None:
+                shutil.rmtree(own, ignore_errors=True)
         return self.proc.returncode
 
 
@@ -136,21 +138,25 @@ def start_server(
     if "--port" not in flags:
         args += ["--port", "0"]
     log_dir.mkdir(parents=True, exist_ok=True)
+    scratch = None
     if "--hicache-storage-dir" not in flags:
-        # A fresh storage tier per server: runs must not see each other's stored prefixes.
-        args += ["--hicache-storage-dir", str(log_dir / f"storage-{uuid.uuid4().hex[:6]}")]
+        # A fresh storage tier per server (runs must not see each other's stored prefixes), as
+        # scratch data in the temp directory, removed at stop: never left beside a run's results.
+        scratch = Path(tempfile.mkdtemp(prefix="himamba-storage-"))
+        args += ["--hicache-storage-dir", str(scratch)]
     args += list(flags)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"server-{uuid.uuid4().hex[:6]}.log"
     full_env = dict(os.environ, PYTHONSAFEPATH="1", **(env or {}))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
-    server = ServerProcess(proc, endpoints, log_path, own_dir)
+    server = ServerProcess(proc, endpoints, log_path, own_dir, scratch)
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
         if "himamba is ready" in server.log():
             return server
         if proc.poll() is not None:
+            server.stop()  # removes what was made for it
             raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-4000:]}")
         time.sleep(0.1)
     server.stop()

@@ -358,6 +358,11 @@ class CacheController:
             return Admitted(rid=op.rid, ok=False, reason="duplicate rid")
         if op.num_slots < 1 or len(set(op.reserve)) != len(op.reserve) or op.rid in op.reserve:
             return Admitted(rid=op.rid, ok=False, reason="bad admission: num_slots < 1 or repeated sample rids")
+        taken = [s for s in op.reserve if s in self.reserved or s in self.requests]
+        if taken:
+            # Obeying would overwrite a reservation (its slots then owned by nobody) or reserve for
+            # a sample already running: refused, as a slot the request does not hold is.
+            return Admitted(rid=op.rid, ok=False, reason=f"bad admission: {taken[0]} is already reserved or running")
         from_storage = (0, 0)
         if self.storage is not None and op.use_cache:
             gate = self.storage.admit_gate(op.rid)

@@ -197,7 +197,7 @@ class ScanResistantQueue(EvictionQueue):
         old = self._weight[member]
         self._weight[member] = weight
         self._total_weight += weight - old
-        if member not in self._cold_pos:
+        if member in self._hot:  # neither a probation nor an expired member counts as protected
             self._hot_weight += weight - old
 
     def pop(self) -> Hashable | None:

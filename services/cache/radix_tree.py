@@ -1019,6 +1019,10 @@ class RadixTree:
                 self._device_state.free([n.device_state])  # type: ignore[list-item]
                 n.device_state = None
                 self._dev_states_used -= 1
+                if n.num_device_children == 0:
+                    # A locked leaf keeps its KV, yet without a state below it that KV serves no
+                    # hit: it goes first once unlocked, not when LRU reaches it.
+                    n.last_access = EXPIRED
         return acc.result(self)
 
     def evict_host(self, num_pages: int) -> EvictResult:

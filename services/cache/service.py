@@ -69,6 +69,17 @@ _BACKEND_EVENTS = {
 }
 
 
+def storage_pool_bytes(backend: Any) -> dict[str, tuple[int, int]]:
+    """(capacity, used) bytes per kind of a storage backend's stats. KV pages and states share one
+    cap, so each kind can hold what it holds plus the shared free part: the capacity of a kind is
+    that sum (0 for both when the store has no cap), and a kind's use over its capacity is honest,
+    where the cap reported under one kind made the other's 0."""
+    used = {"kv": max(0, backend.used_bytes - backend.used_state_bytes), "mamba": backend.used_state_bytes}
+    cap = backend.capacity_bytes
+    free = max(0, cap - backend.used_bytes)
+    return {kind: (nbytes + free if cap else 0, nbytes) for kind, nbytes in used.items()}
+
+
 class CacheService(Actor[ToCache]):
     name = "cache"
 
@@ -184,14 +195,13 @@ class CacheService(Actor[ToCache]):
         self._storage_seen = now
 
     def _storage_pool_gauges(self, backend: Any) -> None:
-        """The storage tier as a pool: its cap (shared by KV and states: reported once, as kv) and
-        what it holds; everything stored is evictable (nothing pins a stored value)."""
+        """The storage tier as a pool, per kind (see `storage_pool_bytes`); everything stored is
+        evictable (nothing pins a stored value)."""
         m = self.m
-        used = {"kv": backend.used_bytes - backend.used_state_bytes, "mamba": backend.used_state_bytes}
-        for kind, nbytes in used.items():
-            m[POOL_CAPACITY_BYTES].labels(tier="storage", kind=kind).set(backend.capacity_bytes if kind == "kv" else 0)
-            m[POOL_USED_BYTES].labels(tier="storage", kind=kind).set(nbytes)
-            m[POOL_EVICTABLE_BYTES].labels(tier="storage", kind=kind).set(nbytes)
+        for kind, (capacity, used) in storage_pool_bytes(backend).items():
+            m[POOL_CAPACITY_BYTES].labels(tier="storage", kind=kind).set(capacity)
+            m[POOL_USED_BYTES].labels(tier="storage", kind=kind).set(used)
+            m[POOL_EVICTABLE_BYTES].labels(tier="storage", kind=kind).set(used)
             m[POOL_PROTECTED_BYTES].labels(tier="storage", kind=kind).set(0)
 
     def _report_host_copies(self) -> None:

@@ -8,7 +8,8 @@ A page counts as stored only once the backend acknowledged it.
 
 Prefetch: `start(rid, tokens)` asks storage (off-thread lookup) how far it holds the prompt; when
 that is >= `prefetch_threshold` tokens beyond what the tree can serve, host memory is allocated for
-the hit pages only (evicting host, then taking the page-aligned free size) and a job fetches them.
+the hit pages only (evicting host, then taking the page-aligned free size) and a job fetches them;
+whether the pages and (hybrid) a host state slot can be had is decided before anything is evicted.
 While it runs the last host node before the fetched range is pinned for KV. When the job completes
 (done, partial, revoked, failed, refused) it is FINALISED at once, whatever its request does: the
 fetched pages and state join the tree as host nodes (`RadixTree.insert_host`), and, while the
@@ -247,10 +248,15 @@ class StorageTier:
         pf = _Prefetch(rid, keys, toks, host_len // ps, base_len, now, now + self.cfg.prefetch_timeout_max_s)
         pf.anchor_pin = anchor_pin
         if self.cfg.hicache_storage_prefetch_policy == "timeout":
-            budget = self.cfg.prefetch_timeout_base_s + self.cfg.prefetch_timeout_per_ki_token_s * usable / 1024
-            pf.deadline = now + min(budget, self.cfg.prefetch_timeout_max_s)
+            pf.deadline = now + self._timeout_s(usable)
         pf.lookup = self.io.lookup(keys, needs_state=self.needs_state)
         self.prefetches[rid] = pf
+
+    def _timeout_s(self, num_tokens: int) -> float:
+        """The timeout policy's wait for a prefetch of `num_tokens`."""
+        cfg = self.cfg
+        budget = cfg.prefetch_timeout_base_s + cfg.prefetch_timeout_per_ki_token_s * num_tokens / 1024
+        return min(budget, cfg.prefetch_timeout_max_s)
 
     def _useless(self, pf: _Prefetch, hit: StorageHit) -> bool:
         """A miss: storage holds less than the threshold beyond what the tree serves."""
@@ -277,6 +283,13 @@ class StorageTier:
                 self._end(pf, "no_host_memory")
                 return
             self.counters.truncations += 1
+        if self.needs_state:
+            assert self.host_state is not None
+            if self.host_state.num_free + self.tree.host_states_evictable < 1:
+                # Every host state is pinned (waiting requests' prefetches, backups, load-backs):
+                # refused before any host page is evicted for it.
+                self._end(pf, "no_host_slot")
+                return
         need = n - pf.first_page
         pages = self.host_kv.alloc(need)
         if pages is None:
@@ -295,6 +308,8 @@ class StorageTier:
                 self.tree.evict_host_state(1)
                 got = self.host_state.alloc(1)
             if got is None:
+                # Unreachable: a slot was counted free or evictable before the KV eviction.
+                _log.error("storage prefetch of %s: host state eviction freed less than it counted", pf.rid)
                 self.host_kv.free(pages)
                 self._end(pf, "no_host_slot")
                 return
@@ -304,6 +319,10 @@ class StorageTier:
         state = StateCopy(plan.keys[-1], slot) if slot is not None else None
         if slot is not None and self.cfg.hicache_storage_prefetch_policy == "best_effort":
             pf.mid = self._mid_states(hit, pf.first_page, n)
+            if not pf.mid:
+                # Nothing to stop at short of the end: admission waits for the whole fetch (see
+                # admit_gate), for no longer than the timeout policy would.
+                pf.deadline = min(pf.deadline, pf.started + self._timeout_s(len(plan.tokens)))
         pf.handle = self.io.submit_prefetch(
             plan.keys[plan.first_page :], plan.host_pages, state, tag=("prefetch", pf.rid),
             mid_states=[(at - plan.first_page, StateCopy(plan.keys[at - 1], s)) for at, s in pf.mid],
@@ -407,6 +426,10 @@ class StorageTier:
             self._give_up(pf)  # no prefetch stalls a request past its deadline
             return AdmitGate(False, (0, 0))
         if policy == "best_effort" and not pf.revoked and pf.handle is not None:
+            if self.needs_state and not pf.mid:
+                # A hybrid fetch with no stored state before its end is one atomic unit: revoking
+                # it would discard every page that arrived. Wait for it (deadline set above).
+                return AdmitGate(True, (0, 0))
             # Take what has arrived: the job stops at its next batch boundary and is finalised.
             pf.revoked = True
             pf.handle.revoke()

@@ -525,10 +525,14 @@ class SchedulerService(Actor[ToScheduler]):
                         self.cache.queue(op)
             if prompt_lps and i in prompt_lps:
                 logprobs.absorb_prompt(req, prompt_lps[i])
-            if req.abort_requested:
+            if req.abort_requested or req.stop_requested:
                 if req.rid not in busy:  # (else it is finished after the step that writes it)
-                    self._finish(req, "abort", outs)
-                continue  # no token after an abort
+                    self._finish(req, "abort" if req.abort_requested else "stop", outs)
+                elif req.stop_requested and computed >= len(req.prompt_ids) + len(req.output_ids):
+                    # The step already sent computes this token: it joins the context, never sent
+                    # out, so what the tree gets at the release matches the state that step leaves.
+                    req.output_ids.append(next_tokens[i])
+                continue  # no token after an abort or a stop string
             output = req.output_ids
             context_len = len(req.prompt_ids) + len(output)
             if computed < context_len:

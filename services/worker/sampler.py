@@ -7,12 +7,12 @@ depend on what else is in the batch.
 Sampling is total per sequence: a row whose logits are not finite (NaN anywhere, or nothing
 left to pick) or whose sampling raises fails alone (`Sampled.errors`); its batch-mates still
 get their tokens. The front door refuses parameters that would cause this (`SamplingParams.
-validate`), so a failure here means a model or kernel fault, or the test hook below.
+validate`), so a failure here means a model or kernel fault (tests inject one from outside this
+module: tests/hostile/fault_site).
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple, Sequence
 
 import torch
@@ -27,10 +27,6 @@ class Sampled(NamedTuple):
     errors: dict[int, str] = {}  # row -> why its sampling failed
 
 
-# Test hook (fault injection): rows whose seed equals this get NaN logits, as a faulty kernel
-# would give them. Read once at import; unset in production.
-_NAN_SEED_ENV = "HIMAMBA_FAULT_SAMPLER_NAN_SEED"
-_NAN_SEED = int(os.environ[_NAN_SEED_ENV]) if os.environ.get(_NAN_SEED_ENV) else None
 _SAMPLING_ERRORS = (RuntimeError, ValueError, IndexError, OverflowError)
 
 
@@ -71,11 +67,6 @@ def sample(
     is reported in `errors` instead of failing the batch."""
     logits = logits.float()
     errors: dict[int, str] = {}
-    if _NAN_SEED is not None and any(p.seed == _NAN_SEED for p in params):
-        logits = logits.clone()
-        for i, p in enumerate(params):
-            if p.seed == _NAN_SEED:
-                logits[i] = float("nan")
     if penalties is not None and any(x is not None for x in penalties):
         logits = logits.clone()
         for i, state in enumerate(penalties):

@@ -110,3 +110,22 @@ def test_cache_disabled_only_allocates():
     assert r.ok and r.cached_len == 0 and r.captures == []
     ctrl.release(Release(rid="a", tokens=list(range(8))))
     assert ctrl.stats().free_pages == 64 and ctrl.stats().free_slots == 16
+
+
+def test_a_second_reservation_for_the_same_sibling_is_refused():
+    """The controller does not trust `Admit.reserve`: overwriting a reservation would leave its
+    slots owned by nobody, and a running sample cannot be reserved for."""
+    c = _ctrl(hicache_storage_backend="none")
+    a = c.apply(Admit(rid="s0", tokens=list(range(1, 10)), num_slots=2, reserve=["s1"]))
+    assert a.ok
+    free = c.device_state.num_free
+    b = c.apply(Admit(rid="x0", tokens=list(range(20, 29)), num_slots=2, reserve=["s1"]))
+    assert not b.ok and "s1" in b.reason
+    assert c.device_state.num_free == free and "x0" not in c.requests
+    c.check_invariants()
+    d = c.apply(Admit(rid="y0", tokens=list(range(40, 49)), num_slots=2, reserve=["s0"]))
+    assert not d.ok and "s0" in d.reason
+    c.check_invariants()
+    s1 = c.apply(Admit(rid="s1", tokens=list(range(1, 10)), num_slots=2))
+    assert s1.ok  # the sibling's own reservation is intact
+    c.check_invariants()

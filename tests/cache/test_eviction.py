@@ -122,3 +122,13 @@ def test_check_detects_corruption():
     q._total_weight += 1
     with pytest.raises(AssertionError):
         q.check()
+
+
+def test_reweighing_an_expired_member_leaves_the_protected_weight_alone():
+    q = ScanResistantQueue()
+    q.add("hot", 1, warm=True, weight=2)
+    q.add("gone", EXPIRED, weight=3)
+    q.set_weight("gone", 5)
+    q.check()  # the protected weight counts the hot member alone
+    assert q.pop() == "gone" and q.pop() == "hot" and q.pop() is None
+    q.check()

@@ -805,3 +805,21 @@ def test_host_state_eviction_drops_only_the_state_of_a_mirror():
     assert res.num_host_states == 1 and res.num_host_pages == 0
     assert a.host_state is None and a.host_pages is not None and a.device_state is not None
     e.check()
+
+
+@pytest.mark.parametrize("policy", ["lru", "scan_resistant"])
+def test_a_locked_leaf_that_loses_its_state_goes_first_once_unlocked(policy):
+    """evict_state on a locked leaf leaves its KV without a state, which no hit can use: once
+    unlocked it is the first leaf evicted, ahead of older leaves that still serve hits."""
+    e = make(eviction_policy=policy)
+    a = e.put([1, 2, 3]).node  # older, keeps its state
+    b = e.put([5, 6, 7]).node
+    ra = e.tree.lock(a)  # with its state: evict_state cannot take it
+    rb = e.tree.lock(b, state=False)
+    res = e.tree.evict_state(1)
+    assert res.num_states == 1 and b.device_state is None and a.device_state is not None
+    e.tree.unlock(ra)
+    e.tree.unlock(rb)
+    e.tree.evict(3)
+    assert not b.is_attached and a.is_attached, "the stateless leaf waited for LRU"
+    e.check()

@@ -432,3 +432,84 @@ def test_a_prefix_whose_stored_values_were_all_corrupted_is_written_again_and_hi
     assert hits[0] == 0 and hits[-1] == 40, hits
     assert rig.backend.stats().num_corrupt > 0
     rig.close()
+
+
+def test_a_prefetch_that_cannot_have_a_host_state_slot_evicts_nothing(tmp_path):
+    """Every host state slot pinned (another waiting request's prefetch holds it): the prefetch
+    is refused before any host page is evicted for it."""
+    toks = _prompt(41, 7)  # 10 pages in storage
+    first = Rig(tmp_path)
+    first.serve("a", toks, prefetch=False)
+    first.drain()
+    first.close()
+    rig = Rig(tmp_path, host_pages=12, host_slots=1, hicache_storage_prefetch_policy="wait_complete")
+    for i in range(3):
+        rig.serve(f"o{i}", _prompt(9, 100 + i), prefetch=False)  # 6 host pages, evictable
+    rig.drain()
+    tree = rig.ctrl.tree
+    stack, holder = [tree.root], None
+    while stack:
+        n = stack.pop()
+        stack.extend(n.children.values())
+        if n is not tree.root and n.host_state is not None:
+            holder = n
+    assert holder is not None
+    pin = tree.protect_host(holder, kv=False, state=True)
+    assert rig.ctrl.host_state.num_free == 0 and tree.host_states_evictable == 0
+    used = tree.host_pages_used
+    rig.ctrl.apply(Prefetch(rid="p", tokens=toks))
+    _wait_lookup(rig, "p")
+    assert rig.tier.counters.outcomes["prefetch_no_host_slot"] == 1
+    assert tree.host_pages_used == used, "host KV was evicted for a prefetch that was then refused"
+    tree.release_host(pin)
+    rig.ctrl.apply(CancelPrefetch(rid="p"))
+    rig.drain()
+    rig.close()
+
+
+def test_best_effort_waits_for_a_hybrid_fetch_with_no_state_before_its_end(tmp_path):
+    """A prefix stored by one request has its only state at its end: revoking the fetch at the
+    first admission attempt would discard every page that arrived (the review saw 0 tokens
+    served where wait_complete serves 40), so best_effort waits for the whole fetch instead."""
+    toks = _prompt(41, 4)
+    first = Rig(tmp_path)
+    first.serve("a", toks)
+    first.drain()
+    first.close()
+    gate = _Gate(tmp_path, allow=4)
+    rig = Rig(tmp_path, backend=gate, hicache_storage_prefetch_policy="best_effort")
+    rig.ctrl.apply(Prefetch(rid="x", tokens=toks + [7]))
+    _wait_lookup(rig, "x")
+    assert rig.tier.prefetches["x"].plan is not None and not rig.tier.prefetches["x"].mid
+    assert gate.blocked.wait(10)  # 4 pages arrived; the rest is slow
+    res = rig.ctrl.admit(Admit(rid="x", tokens=toks + [7], num_slots=1))
+    assert res.prefetching and not rig.tier.prefetches["x"].revoked
+    gate.go.set()
+    res = rig.serve("x", toks + [7], prefetch=False)  # checks every served byte
+    assert res.cached.storage == 40 == res.cached_len, "the fetched prefix was discarded"
+    rig.drain()
+    rig.close()
+
+
+def test_best_effort_waits_for_a_stateless_hybrid_fetch_no_longer_than_the_timeout(tmp_path):
+    toks = _prompt(41, 4)
+    first = Rig(tmp_path)
+    first.serve("a", toks)
+    first.drain()
+    first.close()
+    gate = _Gate(tmp_path, allow=4)
+    rig = Rig(
+        tmp_path,
+        backend=gate,
+        hicache_storage_prefetch_policy="best_effort",
+        prefetch_timeout_base_s=0.05,
+        prefetch_timeout_per_ki_token_s=0.0,
+    )
+    rig.ctrl.apply(Prefetch(rid="x", tokens=toks + [7]))
+    _wait_lookup(rig, "x")
+    assert gate.blocked.wait(10)
+    res = rig.serve("x", toks + [7], prefetch=False)  # the gate never opens: the deadline admits it
+    assert res.cached_len == 0
+    gate.go.set()
+    rig.drain()
+    rig.close()

@@ -2,13 +2,14 @@
 
 It runs as an attacker would find a production server: an API key, under `prlimit
 --nofile=1024:4096` (a distribution's default soft limit; the server raises it), an HTTP
-connection cap above the old soft limit, short request deadlines, and the sampler's NaN fault
-hook armed for one seed (which no honest request uses).
+connection cap above the old soft limit, short request deadlines, and NaN logits injected for one
+seed (which no honest request uses) by the test-only `fault_site/sitecustomize.py` on its PYTHONPATH.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,7 +27,8 @@ from tests.http_request import HttpResult, free_port, http_request
 from tests.system_packages import UTIL_LINUX, skip_without
 
 API_KEY = "hostile-test-key"
-NAN_SEED = 424242  # the sampler's fault hook poisons rows with this seed
+FAULT_SITE = Path(__file__).parent / "fault_site"  # its sitecustomize poisons rows seeded NAN_SEED
+NAN_SEED = 424242  # as in fault_site/sitecustomize.py
 MAX_CONTEXT_LEN = 1024
 MAX_CONNECTIONS = 1100  # above the soft limit the server was started with (1024)
 REQUEST_TIMEOUT_S = 10.0
@@ -69,7 +71,7 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hostile]:
         "--max-connections", str(MAX_CONNECTIONS), "--request-timeout-s", str(REQUEST_TIMEOUT_S),
         "--body-timeout-s", "5", "--hicache-storage-backend", "none", "--client-send-queue", str(CLIENT_SEND_QUEUE),
         wrapper=("prlimit", f"--nofile={OLD_SOFT_LIMIT}:{HARD_LIMIT}"),
-        env={"HIMAMBA_FAULT_SAMPLER_NAN_SEED": str(NAN_SEED)},
+        env={"PYTHONPATH": os.pathsep.join(p for p in (str(FAULT_SITE), os.environ.get("PYTHONPATH", "")) if p)},
     )  # fmt: skip
     try:
         yield Hostile(server, port)

@@ -1,6 +1,6 @@
 """One request cannot fail everyone's batch: values that cannot sample are refused at the door,
-and a sequence whose sampling fails anyway (NaN logits, via the sampler's fault hook) fails
-alone while its batch-mates finish every token."""
+and a sequence whose sampling fails anyway (NaN logits, injected by the test-only
+fault_site/sitecustomize.py) fails alone while its batch-mates finish every token."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def _send_poison(hostile: Hostile) -> list[ErrorReply | GenerateChunk]:
 
 @pytest.mark.parametrize("greedy", [False, True], ids=["sampled", "greedy"])
 def test_a_sequence_whose_sampling_fails_fails_alone(hostile: Hostile, greedy: bool) -> None:
-    """NaN logits pushed past validation (the fault hook, for seed NAN_SEED) in one of 8
+    """NaN logits pushed past validation (fault_site, for seed NAN_SEED) in one of 8
     co-batched streams: exactly 1 error, 7 complete streams."""
     poisoned = STREAMS // 2
 

@@ -239,6 +239,21 @@ def test_api_key_is_required_on_v1_only(harness: Harness):
     assert harness.get("/health", key=None).status in (200, 503)
 
 
+@pytest.mark.parametrize("first", ["right", "wrong"])
+def test_two_authorization_headers_are_a_400_whichever_comes_first(harness: Harness, first: str):
+    """A proxy that judged the other header would disagree with us: refused, never judged by one."""
+    keys = [harness.api_key, "wrong"] if first == "right" else ["wrong", harness.api_key]
+    conn = http.client.HTTPConnection("127.0.0.1", harness.port, timeout=30)
+    conn.putrequest("GET", "/v1/models")
+    for key in keys:
+        conn.putheader("Authorization", f"Bearer {key}")
+    conn.endheaders()
+    resp = conn.getresponse()
+    err = json.loads(resp.read())["error"]
+    conn.close()
+    assert resp.status == 400 and "Authorization" in err["message"], (resp.status, err)
+
+
 def test_unknown_routes_and_methods(harness: Harness):
     _assert_error(harness.get("/v1/nothing"), 404)
     _assert_error(harness.get("/v1/completions"), 405)

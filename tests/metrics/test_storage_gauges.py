@@ -51,4 +51,17 @@ def test_a_default_server_reports_storage_up_with_its_capacity_and_use(default_l
         time.sleep(REPORT_INTERVAL_S)
     assert _sample(text, "himamba_cache_storage_up") == 1
     assert _sample(text, "himamba_pool_capacity_bytes", kind="kv", tier="storage") > 0
+    # The demo model is hybrid: the tier stores states too, under the same cap.
+    assert _sample(text, "himamba_pool_capacity_bytes", kind="mamba", tier="storage") > 0
     assert used > 0, "the backup is on disk but the storage pool shows nothing"
+
+
+def test_the_storage_pool_reports_a_capacity_for_every_kind_it_stores():
+    """KV pages and states share the storage cap: each kind's capacity is what it holds plus the
+    shared free part (the cap reported under kv alone left states with capacity 0)."""
+    from himamba.services.cache.service import storage_pool_bytes
+    from himamba.services.cache.storage.base import StorageStats
+
+    stats = StorageStats(used_bytes=700, used_state_bytes=200, capacity_bytes=1000)
+    assert storage_pool_bytes(stats) == {"kv": (800, 500), "mamba": (500, 200)}
+    assert storage_pool_bytes(StorageStats(used_bytes=700, used_state_bytes=200)) == {"kv": (0, 500), "mamba": (0, 200)}

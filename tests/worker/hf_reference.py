@@ -378,6 +378,7 @@ VARIED_CONFIGS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
             "tie_word_embeddings": True,
         },
         "Zamba2": {
+            "attention_head_dim": 24,  # transformers derives 2 * hidden / heads (32) unless a config sets it
             "num_key_value_heads": 2,
             "use_shared_attention_adapter": False,
             "intermediate_size": 80,
@@ -391,6 +392,7 @@ VARIED_CONFIGS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
                 "original_max_position_embeddings": 40,
             },
             "use_mem_rope": True,
+            "time_step_min": 0.01,  # the mixer's dt clamp in prefill
             "mamba_d_state": 8,
             "n_mamba_heads": 6,
             "mamba_expand": 3,

@@ -2,10 +2,12 @@
 (tests/worker/hf_reference.VARIED_CONFIGS), saved by transformers' `save_pretrained`: prefill logits and
 greedy tokens equal transformers', batched generation equals one sequence at a time, and a state
 captured mid-prefill equals a prefill of that prefix. A config field our loader ignored would change
-a weight's shape (refused at load) or the logits."""
+a weight's shape (refused at load) or the logits. Which declared fields are left at their default,
+and why none of them matters, is listed here (NOT_VARIED), and checked against the config class."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
@@ -13,7 +15,15 @@ import torch
 
 from tests.worker import family_checks as checks
 from tests.worker.harness import Harness
-from tests.worker.hf_reference import TINY_CONFIGS, VARIED_CONFIGS, greedy_with_logits, load_reference, save_varied
+from tests.worker.hf_reference import (
+    _SPECIAL_IDS,
+    HF_VOCAB,
+    TINY_CONFIGS,
+    VARIED_CONFIGS,
+    greedy_with_logits,
+    load_reference,
+    save_varied,
+)
 
 FAMILIES = tuple(VARIED_CONFIGS)
 # Greedy tokens are compared up to the first step whose top-2 logit gap (ours or transformers') is
@@ -22,6 +32,83 @@ NEAR_TIE = 1e-3
 # Overrides left at transformers' default on purpose: Zamba2's attention adapters need as many KV heads
 # as query heads (the tiny config has adapters; grouped KV is the dimension varied here).
 AT_DEFAULT = {("Zamba2", "use_shared_attention_adapter")}
+
+
+# The fields each family's config class declares that the varied checkpoint leaves at transformers'
+# default, and why that is no gap: none of them changes a shape or the numerics of a loaded
+# checkpoint. Every other declared field differs from its default in the varied config (checked below).
+_INIT = "initialisation only: the weights come from the checkpoint"
+_TRAIN = "training only"
+_CACHE = "transformers' own cache or output switch"
+_KERNEL = "which of transformers' kernels computes the same thing"
+_TOKENS = "a token id: no shape or numerics (the server's stop tokens are tested elsewhere)"
+_NO_MAX_POS = "no varied RoPE reads it (yarn reads it only without original_max_position_embeddings, given here)"
+_COMMON = {
+    "initializer_range": _INIT,
+    "use_cache": _CACHE,
+    "num_logits_to_keep": _CACHE,
+    "pad_token_id": _TOKENS,
+    "bos_token_id": _TOKENS,
+    "attention_dropout": _TRAIN,
+    "hidden_dropout": _TRAIN,
+    "output_router_logits": _TRAIN,
+    "router_aux_loss_coef": _TRAIN,
+    "z_loss_coefficient": _TRAIN,
+    "max_position_embeddings": _NO_MAX_POS,
+    "time_step_max": _INIT,
+    "time_step_floor": _INIT,
+    "rescale_prenorm_residual": _INIT,
+    "use_mamba_kernels": _KERNEL,
+}
+NOT_VARIED: dict[str, dict[str, str]] = {
+    "NemotronH": {
+        **_COMMON,
+        "attention_bias": "not read by transformers' NemotronH (use_bias and mlp_bias are, both varied)",
+        "sliding_window": "not read by transformers' NemotronH",
+        "expand": "not read: the mixer is mamba_num_heads x mamba_head_dim wide (both varied)",
+        "time_step_limit": "not read: NemotronH clamps dt at time_step_min (varied)",
+        "mamba_proj_bias": "not read (use_bias is, varied)",
+        "mamba_ssm_cache_dtype": _CACHE,
+        "n_shared_experts": "not read (moe_shared_expert_intermediate_size is, varied)",
+        "moe_shared_expert_overlap": "not read by transformers' NemotronH",
+        "num_nextn_predict_layers": "multi-token prediction layers: not part of the causal LM",
+        "mtp_layers_block_type": "multi-token prediction layers: not part of the causal LM",
+        "residual_in_fp32": "not read by transformers' NemotronH",
+    },
+    "GraniteMoeHybrid": dict(_COMMON),
+    "Bamba": dict(_COMMON),
+    "FalconH1": {**_COMMON, "mamba_expand": "not read when mamba_d_ssm is set (varied)"},
+    "Qwen3Next": dict(_COMMON),
+    "Mamba2": {**_COMMON, "time_step_min": _INIT + " (time_step_limit, varied, is the clamp)"},
+    "Zamba2": {
+        **_COMMON,
+        "use_mem_eff_path": _KERNEL,
+        "use_long_context": "only sets max_position_embeddings (see there)",
+        "use_shared_attention_adapter": "left on (the tiny config's adapters) so that grouped KV can be varied",
+    },
+    "Lfm2": {
+        **_COMMON,
+        "block_auto_adjust_ff_dim": "left on so that block_multiple_of and block_ffn_dim_multiplier (varied) act;"
+        " off is tested in test_lfm2_parity.py",
+    },
+    "Jamba": {**_COMMON, "use_mambapy": _KERNEL, "use_associative_scan": _KERNEL},
+}
+
+
+@pytest.mark.parametrize("architecture", FAMILIES)
+def test_every_declared_field_that_changes_shapes_or_numerics_is_varied(architecture: str) -> None:
+    """Every field the family's config class declares differs from transformers' default in the
+    varied checkpoint (after the config's own derivations), unless NOT_VARIED says why it need not."""
+    import transformers
+
+    cls = getattr(transformers, f"{architecture}Config")
+    declared = set(inspect.get_annotations(cls))
+    default = cls().to_dict()
+    config = {"vocab_size": HF_VOCAB, **TINY_CONFIGS[architecture], **_SPECIAL_IDS, **VARIED_CONFIGS[architecture]}
+    varied = cls(**config).to_dict()
+    at_default = {name for name in declared if varied.get(name) == default.get(name)}
+    listed = {name for name in NOT_VARIED[architecture] if name in declared}
+    assert at_default <= listed, f"{architecture}: left at the default without a reason: {sorted(at_default - listed)}"
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -6,8 +6,8 @@ POST /tokenize, POST /detokenize, GET /version (vLLM's; tokenize_routes.py); COR
 Every generation goes through the front door's own request path (`FrontDoor.open_stream`), so
 HTTP and ZeroMQ clients behave the same; a client that disconnects aborts its request.
 Errors use OpenAI's shape. With an API key set, every route requires `Authorization: Bearer <key>`
-except /health and /metrics (probes and scrapers carry no key). sglang's native routes
-(/generate, /server_info, /flush_cache, ...) are in sglang_routes.py.
+except /health and /metrics (probes and scrapers carry no key); two such headers are a 400.
+sglang's native routes (/generate, /server_info, /flush_cache, ...) are in sglang_routes.py.
 """
 
 from __future__ import annotations
@@ -228,7 +228,11 @@ class HttpServer:
     def _check_api_key(self, request: web.Request) -> None:
         if not self.cfg.api_key:
             return
-        header = request.headers.get("Authorization", "")
+        given = request.headers.getall("Authorization", [])
+        if len(given) > 1:
+            # Judged by one of them, a proxy that judged the other would disagree with us.
+            raise ApiError(400, "more than one Authorization header", code="invalid_api_key")
+        header = given[0] if given else ""
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.cfg.api_key.encode()):
             raise ApiError(

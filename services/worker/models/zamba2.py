@@ -2,8 +2,9 @@
 
 Matches transformers 5.23's modeling_zamba2. A "hybrid" layer runs one of `num_mem_blocks` shared
 transformer blocks (the same weights at several depths, assigned round-robin by hybrid-use index)
-on concat(h, embeddings): RMSNorm over 2*hidden, attention with head_dim 2*hidden/heads and softmax
-scale (head_dim/2)^-0.5 (rope when `use_mem_rope`), then pre_ff_layernorm and a fused gate/up MLP;
+on concat(h, embeddings): RMSNorm over 2*hidden, attention with head_dim `attention_head_dim` (by
+default 2*hidden/heads) and softmax scale (head_dim/2)^-0.5 (rope over the whole head when
+`use_mem_rope`), then pre_ff_layernorm and a fused gate/up MLP;
 per-use LoRA adapters (`*_adapter_list.<use>`) add to q/k/v (with `use_shared_attention_adapter`)
 and always to the MLP's gate_up. The block's output goes through the layer's own `linear` and is
 added to the Mamba input only: `h += mamba(input_layernorm(h + linear(block(h, emb))))`. Each use
@@ -53,6 +54,7 @@ class Zamba2Config:
     hidden_act: str
     add_bias_linear: bool
     num_attention_heads: int
+    attention_head_dim: int
     num_key_value_heads: int
     num_mem_blocks: int
     use_shared_attention_adapter: bool
@@ -68,10 +70,6 @@ class Zamba2Config:
     chunk_size: int
     time_step_min: float
 
-    @property
-    def attention_head_dim(self) -> int:
-        return 2 * self.hidden_size // self.num_attention_heads
-
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any]) -> Zamba2Config:
         """Parse a raw config.json dict (new "linear_attention" or legacy "mamba" layer names)."""
@@ -85,8 +83,12 @@ class Zamba2Config:
                 f"got {listed!r}"
             )
         heads = f.int("num_attention_heads", default=32)
-        if (2 * hidden) % heads != 0:
+        # transformers derives 2 * hidden / heads but honours a config that sets it ("head_dim" is its alias).
+        head_dim = f.int("attention_head_dim", "head_dim", default=0)
+        if head_dim == 0 and (2 * hidden) % heads != 0:
             raise ValueError(f"Zamba2 config.json: num_attention_heads ({heads}) must divide 2 * hidden_size")
+        if head_dim < 0:
+            raise ValueError(f"Zamba2 config.json: field 'attention_head_dim' must be >= 1, got {head_dim}")
         mamba_heads = f.int("n_mamba_heads", default=8)
         width = f.int("mamba_expand", default=2) * hidden
         if width % mamba_heads != 0:
@@ -110,6 +112,7 @@ class Zamba2Config:
             hidden_act=f.str("hidden_act", default="gelu") or "gelu",
             add_bias_linear=f.bool("add_bias_linear", default=False),
             num_attention_heads=heads,
+            attention_head_dim=head_dim or 2 * hidden // heads,
             num_key_value_heads=kv_heads,
             num_mem_blocks=blocks,
             use_shared_attention_adapter=adapters,
