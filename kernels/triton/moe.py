@@ -236,15 +236,14 @@ def _align(experts: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Ten
         0, flat, torch.ones_like(flat)
     )
     padded = (counts + block_m - 1) // block_m * block_m
-    starts = torch.cumsum(padded, 0) - padded  # padded start row of each expert
-    sorted_experts = flat[order]
-    first_of_expert = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(num_pairs, device=flat.device) - first_of_expert[sorted_experts]
+    ends = torch.cumsum(padded, 0)  # padded end row of each expert
+    # The i-th pair in expert order goes to row i + (its expert's padded start - its unpadded start).
+    shift = (ends - padded) - (torch.cumsum(counts, 0) - counts)
+    rows = torch.arange(num_pairs, device=flat.device) + shift[flat[order]]
     bound = (num_pairs + num_experts * (block_m - 1) + block_m - 1) // block_m * block_m
     pair_of_row = torch.full((bound,), num_pairs, dtype=torch.int64, device=flat.device)
-    pair_of_row[starts[sorted_experts] + rank] = order
+    pair_of_row[rows] = order
     block_starts = torch.arange(0, bound, block_m, device=flat.device)
-    ends = torch.cumsum(padded, 0)
     block_expert = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1)
     return pair_of_row, block_expert
 
