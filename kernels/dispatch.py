@@ -27,10 +27,12 @@ from torch import Tensor
 from .native import attention as _native_attention
 from .native import conv1d as _native_conv1d
 from .native import linear as _native_linear
+from .native import moe as _native_moe
 from .native import norm as _native_norm
 from .native import ssd as _native_ssd
 from .native.build import native_build
 from .native.linear import PanelWeight
+from .native.moe import PackedExperts
 from .reference import attention as _attention
 from .reference import conv1d as _conv1d
 from .reference import delta_rule as _delta_rule
@@ -71,6 +73,13 @@ def uses_triton(x: Tensor) -> bool:
     if mode == "triton" and not triton_installed():
         raise RuntimeError(f"{KERNELS_ENV}=triton but triton is not installed")
     return mode != "reference" and triton_installed()
+
+
+def cuda_path(x: Tensor) -> bool:
+    """Whether code handling x takes the CUDA branch (no host syncs, no shapes read back from
+    device values): for CUDA tensors, and for CPU tensors under HIMAMBA_KERNELS=triton, so that
+    tests and benches run on CPU (with TRITON_INTERPRET=1) what a GPU would run."""
+    return x.is_cuda or kernels_mode() == "triton"
 
 
 def _native_built() -> bool:
@@ -341,6 +350,19 @@ def moe_experts(
     if uses_triton(x):
         return _twin("moe").moe_experts(x, routing, gate_up_weights, down_weights, activation, gated)
     return _moe.moe_experts(x, routing, gate_up_weights, down_weights, activation, gated)
+
+
+def pack_experts(gate_up_weights: Tensor, down_weights: Tensor, gated: bool) -> PackedExperts | None:
+    """Expert weights packed once for `packed_moe_experts` (the native CPU products, see
+    `native.moe`), or None where that does not apply: not float32 CPU weights, or no native kernels."""
+    if uses_native(gate_up_weights) and _native_moe.supports(gate_up_weights, down_weights):
+        return _native_moe.pack(gate_up_weights, down_weights, gated)
+    return None
+
+
+def packed_moe_experts(x: Tensor, routing: Routing, packed: PackedExperts, activation: str) -> Tensor:
+    """`moe_experts` with the experts packed by `pack_experts`."""
+    return _native_moe.moe_experts(x, routing, packed, activation)
 
 
 def gather_state_rows(pool: Tensor, slots: Tensor) -> Tensor:

@@ -70,6 +70,12 @@ def moe_route(
         raise ValueError(f"bias must be [E={num_experts}], got {tuple(bias.shape)}")
 
     logits = router_logits.float()
+    if scoring == "softmax" and norm_topk_prob and bias is None and n_group == 1:
+        # The softmax renormalised over the top k is the softmax of the top k logits: two ops, not
+        # five (what transformers' Granite computes); softmax is monotonic, so the same experts.
+        top, experts = logits.topk(top_k, dim=-1)
+        weights = top.softmax(-1)
+        return Routing(weights if routed_scaling_factor == 1.0 else weights * routed_scaling_factor, experts)
     scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
     choice = scores if bias is None else scores + bias.float()
     if n_group > 1:
@@ -88,7 +94,8 @@ def moe_route(
     return Routing(weights, experts)
 
 
-def _activation(name: str) -> Callable[[Tensor], Tensor]:
+def activation_of(name: str) -> Callable[[Tensor], Tensor]:
+    """The function an `ACTIVATIONS` name stands for."""
     match name:
         case "silu":
             return F.silu
@@ -118,7 +125,7 @@ def moe_experts(
     act(up)); down_weights [E, H, I]. Loops over the experts that received tokens, never over
     tokens; each expert runs in x's dtype, the weighted sum accumulates in float32.
     """
-    act = _activation(activation)
+    act = activation_of(activation)
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
     tokens, hidden = x.shape
@@ -131,6 +138,20 @@ def moe_experts(
             f"gate_up_weights must be [E={num_experts}, {up_rows}, H={hidden}] (gated={gated}), "
             f"got {tuple(gate_up_weights.shape)}"
         )
+    check_routing(routing, tokens, num_experts)
+
+    def up_proj(rows: Tensor, expert: int) -> Tensor:
+        return F.linear(rows, gate_up_weights[expert])
+
+    def down_proj(h: Tensor, expert: int) -> Tensor:
+        return F.linear(h, down_weights[expert])
+
+    return grouped_experts(x, routing, num_experts, inter, act, gated, up_proj, down_proj)
+
+
+def check_routing(routing: Routing, tokens: int, num_experts: int) -> None:
+    """Refuse a routing that is not [tokens, k] weights and int64 experts in [0, num_experts) (reads the
+    expert ids: for CPU tensors)."""
     weights, experts = routing
     if experts.dim() != 2 or experts.shape[0] != tokens or weights.shape != experts.shape:
         raise ValueError(
@@ -139,29 +160,46 @@ def moe_experts(
         )
     if experts.dtype != torch.int64:
         raise ValueError(f"routing.experts must be int64, got {experts.dtype}")
+    if experts.numel():
+        lo, hi = (int(v) for v in torch.aminmax(experts))
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"routing.experts must be in [0, E={num_experts}), got min {lo} max {hi}")
+
+
+def grouped_experts(
+    x: Tensor,
+    routing: Routing,
+    num_experts: int,
+    inter: int,
+    act: Callable[[Tensor], Tensor],
+    gated: bool,
+    up_proj: Callable[[Tensor, int], Tensor],
+    down_proj: Callable[[Tensor, int], Tensor],
+) -> Tensor:
+    """The experts' weighted sum over a checked routing, the (token, choice) pairs sorted by expert
+    and each expert's rows run as one product: `up_proj(rows, e)` [n, H] -> [n, 2I or I],
+    `down_proj(h, e)` [n, I] -> [n, H]."""
+    weights, experts = routing
+    tokens, hidden = x.shape
     out = torch.zeros(tokens, hidden, dtype=torch.float32, device=x.device)
     flat = experts.reshape(-1)
-    if flat.numel() and int(flat.min()) < 0:
-        raise ValueError(f"routing.experts must be >= 0, got {int(flat.min())}")
     order = flat.argsort(stable=True)
     token_of = order // experts.shape[1]
     weight_of = weights.reshape(-1).float()[order]
     # One host sync for the per-expert token counts, then static slices.
     counts = torch.bincount(flat, minlength=num_experts).tolist()
-    if len(counts) > num_experts:
-        raise ValueError(f"routing.experts must be < E={num_experts}, got {int(flat.max())}")
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
         rows = token_of[start : start + count]
-        h = F.linear(x.index_select(0, rows), gate_up_weights[expert])
+        h = up_proj(x.index_select(0, rows), expert)
         if gated:
             gate, up = h.split(inter, dim=-1)
             h = act(gate) * up
         else:
             h = act(h)
-        h = F.linear(h, down_weights[expert])
+        h = down_proj(h, expert)
         out.index_add_(0, rows, h.float() * weight_of[start : start + count, None])
         start += count
     return out.to(x.dtype)

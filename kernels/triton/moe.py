@@ -10,6 +10,9 @@ float32 at the end.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -20,6 +23,13 @@ from ..reference.moe import Routing
 from .jit_math import dot_precision, next_pow2
 
 _ACTIVATIONS = {name: i for i, name in enumerate(_ref.ACTIVATIONS)}  # silu, gelu, gelu_tanh, relu, relu2
+CHECK_EXPERT_IDS_ENV = "HIMAMBA_CHECK_EXPERT_IDS"
+
+
+@functools.cache
+def check_expert_ids() -> bool:
+    """Whether `moe_experts` range-checks expert ids (a debug flag: the check syncs with the host)."""
+    return os.environ.get(CHECK_EXPERT_IDS_ENV, "") == "1"
 
 
 @triton.jit
@@ -103,6 +113,10 @@ def _gate_up_kernel(
 ):  # fmt: skip
     """inter[row] = act(x[token] @ gate_e^T) * (x[token] @ up_e^T) for the rows of one expert's block."""
     block = tl.program_id(0)
+    # An expert's run starts at a block boundary, so a block whose first row is padding is all
+    # padding (the static bound leaves up to E * (BLOCK_M - 1) such rows): skip it.
+    if tl.load(pair_ptr + block * BLOCK_M) >= num_pairs:
+        return
     expert = tl.load(block_expert_ptr + block)
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(pair_ptr + rows)
@@ -146,6 +160,8 @@ def _down_kernel(
 ):  # fmt: skip
     """out[pair] = routing weight * (inter[row] @ down_e^T), in float32, for one expert's block."""
     block = tl.program_id(0)
+    if tl.load(pair_ptr + block * BLOCK_M) >= num_pairs:  # an all-padding block, as in _gate_up_kernel
+        return
     expert = tl.load(block_expert_ptr + block)
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(pair_ptr + rows)
@@ -215,17 +231,19 @@ def _align(experts: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Ten
     flat = experts.reshape(-1)
     num_pairs = flat.numel()
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # Not bincount: on CUDA it reads the largest id back to size its output (a host sync).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
     padded = (counts + block_m - 1) // block_m * block_m
-    starts = torch.cumsum(padded, 0) - padded  # padded start row of each expert
-    sorted_experts = flat[order]
-    first_of_expert = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(num_pairs, device=flat.device) - first_of_expert[sorted_experts]
+    ends = torch.cumsum(padded, 0)  # padded end row of each expert
+    # The i-th pair in expert order goes to row i + (its expert's padded start - its unpadded start).
+    shift = (ends - padded) - (torch.cumsum(counts, 0) - counts)
+    rows = torch.arange(num_pairs, device=flat.device) + shift[flat[order]]
     bound = (num_pairs + num_experts * (block_m - 1) + block_m - 1) // block_m * block_m
     pair_of_row = torch.full((bound,), num_pairs, dtype=torch.int64, device=flat.device)
-    pair_of_row[starts[sorted_experts] + rank] = order
+    pair_of_row[rows] = order
     block_starts = torch.arange(0, bound, block_m, device=flat.device)
-    ends = torch.cumsum(padded, 0)
     block_expert = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1)
     return pair_of_row, block_expert
 
@@ -238,7 +256,9 @@ def moe_experts(
     activation: str,
     gated: bool = True,
 ) -> Tensor:
-    """Twin of `reference.moe.moe_experts` (expert ids are range-checked only for CPU tensors)."""
+    """Twin of `reference.moe.moe_experts`. Expert ids are range-checked (two host syncs) only under
+    HIMAMBA_CHECK_EXPERT_IDS=1: on the serving path they come from `moe_route`, in range by
+    construction."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {_ref.ACTIVATIONS}, got {activation!r}")
     if x.dim() != 2:
@@ -261,7 +281,7 @@ def moe_experts(
         )
     if experts.dtype != torch.int64:
         raise ValueError(f"routing.experts must be int64, got {experts.dtype}")
-    if experts.device.type == "cpu" and experts.numel():
+    if check_expert_ids() and experts.numel():
         lo, hi = int(experts.min()), int(experts.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"routing.experts must be in [0, E={num_experts}), got min {lo} max {hi}")

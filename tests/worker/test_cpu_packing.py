@@ -1,5 +1,6 @@
-"""Projection weights pre-packed for the CPU GEMM path (oneDNN): the same products as the plain weight,
-packed at load by default, for tied heads too, and never for what cannot be packed."""
+"""Projection weights pre-packed for the CPU GEMM path (oneDNN, or the native panels): the same products
+as the plain weight, packed at load by default, for tied heads and routed experts too, and never for
+what cannot be packed."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from himamba.kernels import Routing
+from himamba.kernels.native.build import native_build
 from himamba.services.worker.layers.cpu_packing import can_pack
 from himamba.services.worker.layers.embedding import LMHead, VocabEmbedding
 from himamba.services.worker.layers.linear import Linear
+from himamba.services.worker.layers.moe import RoutedExperts, SoftmaxTopKRouter
 from himamba.services.worker.layers.projected_attention import ProjectedAttention
 from himamba.services.worker.loader import load_model
 from tests.worker.harness import Harness
@@ -85,3 +89,27 @@ def test_packed_qkv_is_the_three_projections(bias: bool, tokens: int) -> None:
     for got, want in zip(fused, plain, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(attn.k_proj(x), plain[1])  # the module itself still works, unpacked
+
+
+@pytest.mark.parametrize("gated,activation", [(True, "silu"), (False, "relu2")])
+@pytest.mark.parametrize("tokens", [1, 8, 33])
+def test_packed_experts_compute_the_same_mixture(gated: bool, activation: str, tokens: int) -> None:
+    if native_build().library is None:
+        pytest.skip(f"native kernels {native_build().detail}")
+    experts = RoutedExperts(6, 40, 24, activation, gated, CPU, torch.float32)
+    router = SoftmaxTopKRouter(40, 6, 2, CPU, torch.float32)
+    gen = torch.Generator().manual_seed(tokens)
+    for p in [*experts.parameters(), *router.parameters()]:
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    x = torch.randn(tokens, 40, generator=gen)
+    routing = router(x)
+    plain = experts(x, routing)
+    assert experts.pack_for_cpu()
+    torch.testing.assert_close(experts(x, routing), plain, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="routing.experts"):  # the packed path checks ids as the reference does
+        experts(x, Routing(routing.weights, routing.experts + 6))
+
+
+def test_experts_of_other_dtypes_stay_unpacked() -> None:
+    experts = RoutedExperts(4, 16, 8, "silu", True, CPU, torch.bfloat16)
+    assert not experts.pack_for_cpu() and experts._packed is None

@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from himamba.kernels import moe_route
-from himamba.services.worker.layers.moe import Routing
+from himamba.kernels import Routing, moe_route
 
 
 class SoftmaxRouter(nn.Module):
@@ -34,5 +33,4 @@ class SoftmaxRouter(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> Routing:
-        routing = moe_route(F.linear(x, self.weight), self.top_k, "softmax", self.norm_topk_prob)
-        return Routing(routing.experts, routing.weights)
+        return moe_route(F.linear(x, self.weight), self.top_k, "softmax", self.norm_topk_prob)
