@@ -2,11 +2,10 @@
 
 Greedy rows (temperature 0) take the argmax, which breaks ties like transformers does (first
 index). The others are sampled as a batch: temperature, top-k, min-p and top-p filters with
-per-row parameters, then the exponential race (the argmax of probs / E with E ~ Exp(1) per token,
-which picks token i with probability probs[i]). E comes from a hash of (the row's key, the token
-id) in tensor ops, the key from (seed, step) for a seeded row: a seeded request's tokens do not
-depend on what else is in the batch, and no row has a generator of its own. The step reads the
-device once: the sampled ids with each row's failure code.
+per-row parameters, then one inverse-CDF draw per row (the first token whose cumulative
+probability passes u * total) with u a function of (seed, step) computed on the host for a seeded
+row: a seeded request's tokens do not depend on what else is in the batch, and no row has a
+generator of its own. The step reads the device once: the sampled ids with each row's failure code.
 
 Sampling is total per sequence: a row whose logits are not finite (NaN anywhere, or nothing
 left to pick) or whose probabilities are not (an infinite logit under a temperature) fails alone
@@ -25,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from himamba.common.types import SamplingParams
+from himamba.kernels.dispatch import cuda_path
 from himamba.services.worker.grammar_masks import GrammarMasks
 from himamba.services.worker.penalties import PenaltyState, host_values, penalise_rows
 
@@ -45,31 +45,20 @@ _FAILURES = {
     _NON_FINITE_LOGITS: "sampling failed: the model produced non-finite logits",
     _NON_FINITE_PROBS: "sampling failed: the probabilities are not finite",
 }
-_M32 = 0xFFFFFFFF
-_unseeded = random.Random()  # keys of rows without a seed (seeded from the OS)
+_M64 = 2**64 - 1
+_unseeded = random.Random()  # draws of rows without a seed (seeded from the OS)
 
 
 def _seed_for(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7_919 + 12_345) % (2**63 - 1)
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (two multiply-xorshift rounds) of int64 values below 2**32; the
-    products stay below 2**63, so no step overflows."""
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
-    return (x >> 16) ^ x
-
-
-def _exponentials(keys: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
-    """[B, vocab] Exp(1) draws, a function of (keys[b], token id) alone."""
-    lo = host_values([k & _M32 for k in keys], torch.int64, device).view(-1, 1)
-    hi = host_values([(k >> 32) & _M32 for k in keys], torch.int64, device).view(-1, 1)
-    tokens = torch.arange(vocab, dtype=torch.int64, device=device)
-    h = _mix32(_mix32(tokens ^ lo) ^ hi)
-    # 24 bits: exact in float32, and u in (0, 1) never reaches 0 or 1.
-    u = ((h >> 8).float() + 0.5) * 2.0**-24
-    return -torch.log(u)
+def _uniform(key: int) -> float:
+    """A uniform draw in [0, 1) as a function of `key` alone (splitmix64's finaliser, 53 bits)."""
+    z = (key + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return ((z ^ (z >> 31)) >> 11) * 2.0**-53
 
 
 def _filtered(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -101,6 +90,19 @@ def _filtered(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.T
     return logits
 
 
+def _non_finite(logits: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the rows with a NaN (their max is NaN: max propagates it) or no finite logit."""
+    bad = top.isnan() | (top == float("-inf"))
+    # A row whose max is +inf fails when nothing in it is finite.
+    if cuda_path(logits):
+        return bad | ((top == float("inf")) & ~torch.isfinite(logits).any(dim=-1))
+    # On the CPU a look at the maxima costs no sync and spares a pass over the whole vocabulary.
+    rows = [i for i, t in enumerate(top.tolist()) if t == float("inf")]
+    if rows:
+        bad[rows] |= ~torch.isfinite(logits[rows]).any(dim=-1)
+    return bad
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -125,21 +127,25 @@ def sample(
         logits = grammar.apply(logits.clone())
         for i, why in grammar.errors.items():
             errors.setdefault(i, why)
-    # Each row's max and its first index (the greedy token; ties break as argmax does). A NaN
-    # anywhere makes the max NaN; a row with no finite logit has nothing to pick.
+    # Each row's max and its first index (the greedy token; ties break as argmax does).
     top, out = logits.max(dim=-1)
-    code = (top.isnan() | ~torch.isfinite(logits).any(dim=-1)).to(torch.int64) * _NON_FINITE_LOGITS
+    code = _non_finite(logits, top).to(torch.int64) * _NON_FINITE_LOGITS
     if not all(p.temperature == 0.0 for p in params):
-        keys = [
-            _seed_for(p.seed, step) if p.seed is not None else _unseeded.getrandbits(63)
+        uniforms = [
+            _uniform(_seed_for(p.seed, step)) if p.seed is not None else _unseeded.random()
             for p, step in zip(params, steps, strict=True)
         ]
         probs = torch.softmax(_filtered(logits, params), dim=-1)
-        # NaN probabilities (an infinite logit under a temperature) make the row's best score NaN.
-        best, drawn = (probs / _exponentials(keys, logits.shape[1], logits.device)).max(dim=-1)
+        # In float64, as torch.multinomial accumulates: no mass lost over a large vocabulary.
+        cum = probs.double().cumsum(dim=-1)
+        total = cum[:, -1:]
+        target = host_values(uniforms, torch.float64, logits.device).view(-1, 1) * total
+        # The first token whose cumulative probability passes the target (it has mass of its own).
+        drawn = torch.searchsorted(cum, target, right=True).view(-1).clamp(max=logits.shape[1] - 1)
         sampled = host_values([p.temperature != 0.0 for p in params], torch.bool, logits.device)
         out = torch.where(sampled, drawn, out)
-        code = torch.where((code == 0) & sampled & best.isnan(), _NON_FINITE_PROBS, code)
+        # NaN probabilities (an infinite logit under a temperature) make the total NaN.
+        code = torch.where((code == 0) & sampled & total.view(-1).isnan(), _NON_FINITE_PROBS, code)
     # The step's one read of the device: tokens and failure codes together.
     tokens, codes = torch.stack([out, code]).tolist()
     for i, c in enumerate(codes):
