@@ -12,6 +12,10 @@ reference. The environment variable HIMAMBA_KERNELS overrides it: "reference" fo
 reference everywhere (to debug a GPU run, or to compare), "triton" forces the twins everywhere
 (on CPU only under TRITON_INTERPRET=1, for testing), "native" requires the native library on
 CPU (an error if it could not be built), "auto" (the default) chooses.
+
+Code outside the kernels that differs between CPU and CUDA asks `cuda_path`, which
+HIMAMBA_CUDA_PATH=1 forces to the CUDA branch on CPU tensors: with HIMAMBA_KERNELS=triton and
+TRITON_INTERPRET=1 a CPU process then runs what a GPU would, to count its launches and syncs.
 """
 
 from __future__ import annotations
@@ -48,6 +52,13 @@ from .reference.ssd import ScanResult
 
 KERNELS_ENV = "HIMAMBA_KERNELS"
 KERNEL_CHOICES = ("auto", "reference", "triton", "native")
+CUDA_PATH_ENV = "HIMAMBA_CUDA_PATH"
+
+
+def cuda_path(t: Tensor) -> bool:
+    """Whether code that branches on CPU vs CUDA takes the CUDA branch for `t`: a CUDA tensor, or
+    any tensor when HIMAMBA_CUDA_PATH=1 (read per call, so a test can set it)."""
+    return t.is_cuda or os.environ.get(CUDA_PATH_ENV) == "1"
 
 
 @functools.cache
@@ -147,13 +158,15 @@ def causal_conv1d_update(
     weight: Tensor,
     bias: Tensor | None,
     activation: str | None = "silu",
+    conv_state_indices: Tensor | None = None,
 ) -> Tensor:
-    """One decode step of the conv, updating conv_state in place; see `reference.conv1d`."""
+    """One decode step of the conv, updating conv_state (with `conv_state_indices`: the pool rows
+    they name) in place; see `reference.conv1d`."""
     if uses_triton(x):
-        return _twin("conv1d").causal_conv1d_update(x, conv_state, weight, bias, activation)
-    if uses_native(x) and _native_conv1d.supports_update(x, conv_state, weight, bias):
+        return _twin("conv1d").causal_conv1d_update(x, conv_state, weight, bias, activation, conv_state_indices)
+    if conv_state_indices is None and uses_native(x) and _native_conv1d.supports_update(x, conv_state, weight, bias):
         return _native_conv1d.causal_conv1d_update(x, conv_state, weight, bias, activation)
-    return _conv1d.causal_conv1d_update(x, conv_state, weight, bias, activation)
+    return _conv1d.causal_conv1d_update(x, conv_state, weight, bias, activation, conv_state_indices)
 
 
 def ssd_scan(
@@ -188,13 +201,20 @@ def selective_state_update(
     dt_bias: Tensor | None = None,
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
+    state_batch_indices: Tensor | None = None,
 ) -> Tensor:
-    """One decode step of the Mamba2 recurrence, updating state in place; see `reference.ssd`."""
+    """One decode step of the Mamba2 recurrence, updating state (with `state_batch_indices`: the
+    pool rows they name) in place; see `reference.ssd`."""
+    args = (state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit)
     if uses_triton(x):
-        return _twin("ssd").selective_state_update(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit)
-    if uses_native(x) and _native_ssd.supports_state_update(state, x, dt, A, B, C, D, dt_bias):
-        return _native_ssd.selective_state_update(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit)
-    return _ssd.selective_state_update(state, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit)
+        return _twin("ssd").selective_state_update(*args, state_batch_indices)
+    if (
+        state_batch_indices is None
+        and uses_native(x)
+        and _native_ssd.supports_state_update(state, x, dt, A, B, C, D, dt_bias)
+    ):
+        return _native_ssd.selective_state_update(*args)
+    return _ssd.selective_state_update(*args, state_batch_indices)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, multiply_in_float32: bool = False) -> Tensor:
@@ -276,11 +296,14 @@ def selective_state_update_mamba1(
     z: Tensor | None = None,
     dt_bias: Tensor | None = None,
     dt_softplus: bool = True,
+    state_batch_indices: Tensor | None = None,
 ) -> Tensor:
-    """One decode step of the Mamba1 recurrence, updating state in place; see `reference.selective_scan`."""
+    """One decode step of the Mamba1 recurrence, updating state (with `state_batch_indices`: the
+    pool rows they name) in place; see `reference.selective_scan`."""
+    args = (state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
     if uses_triton(x):
-        return _twin("selective_scan").selective_state_update_mamba1(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
-    return _selective_scan.selective_state_update_mamba1(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+        return _twin("selective_scan").selective_state_update_mamba1(*args)
+    return _selective_scan.selective_state_update_mamba1(*args)
 
 
 def chunk_gated_delta_rule(
@@ -311,11 +334,14 @@ def recurrent_gated_delta_rule_update(
     state: Tensor,
     use_qk_l2norm: bool = True,
     scale: float | None = None,
+    state_batch_indices: Tensor | None = None,
 ) -> Tensor:
-    """One decode step of the gated delta rule, updating state in place; see `reference.delta_rule`."""
+    """One decode step of the gated delta rule, updating state (with `state_batch_indices`: the pool
+    rows they name) in place; see `reference.delta_rule`."""
+    args = (q, k, v, g, beta, state, use_qk_l2norm, scale, state_batch_indices)
     if uses_triton(q):
-        return _twin("delta_rule").recurrent_gated_delta_rule_update(q, k, v, g, beta, state, use_qk_l2norm, scale)
-    return _delta_rule.recurrent_gated_delta_rule_update(q, k, v, g, beta, state, use_qk_l2norm, scale)
+        return _twin("delta_rule").recurrent_gated_delta_rule_update(*args)
+    return _delta_rule.recurrent_gated_delta_rule_update(*args)
 
 
 def moe_route(

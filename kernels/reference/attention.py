@@ -90,7 +90,10 @@ def check_decode_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot_table: T
             f"slot_table and seq_lens must have B={batch} rows, got {slot_table.shape[0]} and {seq_lens.shape[0]}"
         )
     max_len = slot_table.shape[1]
-    if seq_lens.device.type == "cpu" and batch > 0:
+    from ..dispatch import cuda_path  # here: dispatch imports this module
+
+    # The lengths' range is read on the CPU path only: on a GPU the read would be a sync per layer.
+    if not cuda_path(seq_lens) and batch > 0:
         lo, hi = int(seq_lens.min()), int(seq_lens.max())
         if lo < 1 or hi > max_len:
             raise ValueError(f"seq_lens must be in [1, max_len={max_len}], got min {lo} max {hi}")

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .state_rows import check_state_indices, update_rows_at
+
 
 class ConvResult(NamedTuple):
     """Output of a causal conv over a segment and the state that continues it."""
@@ -126,11 +128,19 @@ def causal_conv1d_update(
     weight: Tensor,
     bias: Tensor | None,
     activation: str | None = "silu",
+    conv_state_indices: Tensor | None = None,
 ) -> Tensor:
     """One decode step: x [B, D] against conv_state [B, D, K-1]; returns out [B, D].
 
-    Mutates conv_state in place: it is shifted left by one column and x is appended.
+    Mutates conv_state in place: it is shifted left by one column and x is appended. With
+    `conv_state_indices` [B] (int32/int64), conv_state is the whole pool [slots, D, K-1] and batch
+    row b updates its row `conv_state_indices[b]`.
     """
+    if conv_state_indices is not None:
+        check_update_args(x, check_state_indices(conv_state, x.shape[0], conv_state_indices), weight, bias, activation)
+        return update_rows_at(
+            conv_state, conv_state_indices, lambda rows: causal_conv1d_update(x, rows, weight, bias, activation)
+        )
     width = check_update_args(x, conv_state, weight, bias, activation)
     # K multiply-adds over [B, D] columns instead of a [B, D, K] window product summed over its
     # short last dim: 1.4x faster at batch 8-32 on CPU (and no window to build).

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .decay import segment_decay
+from .state_rows import check_state_indices, update_rows_at
 
 _L2NORM_EPS = 1e-6
 
@@ -161,6 +162,17 @@ def chunk_gated_delta_rule(
     return DeltaResult(out.to(q.dtype), state.reshape(state_shape).to(state_dtype))
 
 
+def check_update_state(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> int:
+    """Raise ValueError unless the arguments of `recurrent_gated_delta_rule_update` fit together
+    (every implementation checks them so); return the value heads per key head."""
+    rep = _check_layout(q, k, v, g, beta, token_dims=1)
+    batch, _, k_dim = q.shape
+    v_heads, v_dim = v.shape[1], v.shape[2]
+    if tuple(state.shape) != (batch, v_heads, k_dim, v_dim):
+        raise ValueError(f"state must be [Bt={batch}, Hv={v_heads}, Dk={k_dim}, Dv={v_dim}], got {tuple(state.shape)}")
+    return rep
+
+
 def recurrent_gated_delta_rule_update(
     q: Tensor,
     k: Tensor,
@@ -170,17 +182,25 @@ def recurrent_gated_delta_rule_update(
     state: Tensor,
     use_qk_l2norm: bool = True,
     scale: float | None = None,
+    state_batch_indices: Tensor | None = None,
 ) -> Tensor:
     """One decode step: q, k [Bt, Hk, Dk], v [Bt, Hv, Dv], g, beta [Bt, Hv], state [Bt, Hv, Dk, Dv].
 
     Mutates `state` in place to the state after this token (computed in float32, stored in the
-    state's dtype); returns out [Bt, Hv, Dv] in q's dtype, read from the float32 state.
+    state's dtype); returns out [Bt, Hv, Dv] in q's dtype, read from the float32 state. With
+    `state_batch_indices` [Bt] (int32/int64), `state` is the whole pool [slots, Hv, Dk, Dv] and batch
+    row b updates its row `state_batch_indices[b]`.
     """
-    rep = _check_layout(q, k, v, g, beta, token_dims=1)
+    if state_batch_indices is not None:
+        check_update_state(q, k, v, g, beta, check_state_indices(state, q.shape[0], state_batch_indices))
+        return update_rows_at(
+            state,
+            state_batch_indices,
+            lambda rows: recurrent_gated_delta_rule_update(q, k, v, g, beta, rows, use_qk_l2norm, scale),
+        )
+    rep = check_update_state(q, k, v, g, beta, state)
     batch, k_heads, k_dim = q.shape
     v_heads, v_dim = v.shape[1], v.shape[2]
-    if tuple(state.shape) != (batch, v_heads, k_dim, v_dim):
-        raise ValueError(f"state must be [Bt={batch}, Hv={v_heads}, Dk={k_dim}, Dv={v_dim}], got {tuple(state.shape)}")
     q32, k32 = _prepare_qk(q, k, use_qk_l2norm, scale)
     q32 = q32.view(batch, k_heads, 1, 1, k_dim)
     k32 = k32.view(batch, k_heads, 1, 1, k_dim)

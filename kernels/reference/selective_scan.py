@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .ssd import ScanResult
+from .state_rows import check_state_indices, update_rows_at
 
 # The chunked form pays off only while each step is overhead-bound: see the module docstring.
 _CHUNKED_MIN_LEN = 64
@@ -152,23 +153,19 @@ def selective_scan(
     return ScanResult(y.to(u.dtype), state.to(state_dtype))
 
 
-def selective_state_update_mamba1(
+def check_update_args(
     state: Tensor,
     x: Tensor,
     dt: Tensor,
     A: Tensor,
     B: Tensor,
     C: Tensor,
-    D: Tensor | None = None,
-    z: Tensor | None = None,
-    dt_bias: Tensor | None = None,
-    dt_softplus: bool = True,
-) -> Tensor:
-    """One decode step: state [Bt, D, N], x, dt, z [Bt, D], A [D, N], B/C [Bt, N]; returns y [Bt, D].
-
-    Mutates `state` in place to the state after this token (computed in float32, stored in the
-    state's dtype); y is read from the float32 state and returned in x's dtype.
-    """
+    D: Tensor | None,
+    z: Tensor | None,
+    dt_bias: Tensor | None,
+) -> None:
+    """Raise ValueError unless the arguments of `selective_state_update_mamba1` fit together (every
+    implementation checks them so)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [Bt, D], got {tuple(x.shape)}")
     batch, channels = x.shape
@@ -182,6 +179,35 @@ def selective_state_update_mamba1(
     if tuple(state.shape) != (batch, channels, state_size):
         raise ValueError(f"state must be [Bt={batch}, D={channels}, N={state_size}], got {tuple(state.shape)}")
 
+
+def selective_state_update_mamba1(
+    state: Tensor,
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = True,
+    state_batch_indices: Tensor | None = None,
+) -> Tensor:
+    """One decode step: state [Bt, D, N], x, dt, z [Bt, D], A [D, N], B/C [Bt, N]; returns y [Bt, D].
+
+    Mutates `state` in place to the state after this token (computed in float32, stored in the
+    state's dtype); y is read from the float32 state and returned in x's dtype. With
+    `state_batch_indices` [Bt] (int32/int64), `state` is the whole pool [slots, D, N] and batch row b
+    updates its row `state_batch_indices[b]`.
+    """
+    if state_batch_indices is not None:
+        check_update_args(check_state_indices(state, x.shape[0], state_batch_indices), x, dt, A, B, C, D, z, dt_bias)
+        return update_rows_at(
+            state,
+            state_batch_indices,
+            lambda rows: selective_state_update_mamba1(rows, x, dt, A, B, C, D, z, dt_bias, dt_softplus),
+        )
+    check_update_args(state, x, dt, A, B, C, D, z, dt_bias)
     x32 = x.float()
     dt32 = _process_dt(dt, dt_bias, dt_softplus)
     new = state.float() * (dt32[..., None] * A.float()).exp() + (dt32 * x32)[..., None] * B.float()[:, None, :]

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .state_rows import check_state_indices, update_rows_at
+
 
 class ScanResult(NamedTuple):
     """Outputs of a scan over a segment and the recurrent state after its last token.
@@ -289,12 +291,23 @@ def selective_state_update(
     dt_bias: Tensor | None = None,
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
+    state_batch_indices: Tensor | None = None,
 ) -> Tensor:
     """One decode step: state [Bt, H, P, N], x [Bt, H, P], dt [Bt, H], B/C [Bt, G, N]; returns y [Bt, H, P].
 
     Mutates `state` in place to the state after this token (computed in float32, stored in the
     state's dtype); y is read from the float32 state, before that rounding, and returned in x's dtype.
+    With `state_batch_indices` [Bt] (int32/int64), `state` is the whole pool [slots, H, P, N] and
+    batch row b updates its row `state_batch_indices[b]`.
     """
+    if state_batch_indices is not None:
+        rows = check_state_indices(state, x.shape[0], state_batch_indices)
+        check_state_update_args(rows, x, dt, A, B, C, D, dt_bias)
+        return update_rows_at(
+            state,
+            state_batch_indices,
+            lambda rows: selective_state_update(rows, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit),
+        )
     rep = check_state_update_args(state, x, dt, A, B, C, D, dt_bias)
     batch, heads, head_dim = x.shape
     groups, state_size = B.shape[1], B.shape[2]

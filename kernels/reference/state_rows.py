@@ -5,8 +5,13 @@ A pool tensor is [slots, *row] (one row per state slot); a batch's states are [B
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 from torch import Tensor
+
+T = TypeVar("T")
 
 
 def _check_slots(pool: Tensor, slots: Tensor) -> None:
@@ -28,3 +33,28 @@ def scatter_state_rows(pool: Tensor, slots: Tensor, rows: Tensor) -> None:
     if tuple(rows.shape) != (slots.shape[0], *pool.shape[1:]):
         raise ValueError(f"rows must be {[slots.shape[0], *pool.shape[1:]]}, got {tuple(rows.shape)}")
     pool.index_copy_(0, slots, rows.to(pool.dtype))
+
+
+def check_state_indices(pool: Tensor, batch: int, indices: Tensor) -> Tensor:
+    """Raise ValueError unless `indices` is a [batch] int32/int64 slot per batch row of `pool`
+    [slots, *row] (the values are not read: that would be a device sync); return a [batch, *row]
+    stand-in for the batch's rows (an expanded view of row 0, no copy) for the ops' shape checks."""
+    if indices.dim() != 1 or indices.shape[0] != batch or indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"state_batch_indices must be a [{batch}] int32/int64 tensor, got {indices.dtype} {tuple(indices.shape)}"
+        )
+    if pool.dim() < 1 or pool.shape[0] < 1:
+        raise ValueError(f"a state pool indexed by state_batch_indices needs a slot dim, got {tuple(pool.shape)}")
+    return pool[:1].expand(batch, *pool.shape[1:])
+
+
+def update_rows_at(pool: Tensor, indices: Tensor, update: Callable[[Tensor], T]) -> T:
+    """`update(rows)` on `pool`'s rows at `indices`, which it mutates in place, written back to the pool.
+
+    The reference semantics of an op's `state_batch_indices`: the twins read and write the pool rows
+    themselves, with no copy."""
+    indices = indices.long()
+    rows = pool.index_select(0, indices)
+    result = update(rows)
+    pool.index_copy_(0, indices, rows)
+    return result

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ..reference import conv1d as _ref
 from ..reference.conv1d import ConvResult
+from ..reference.state_rows import check_state_indices
 from .jit_math import next_pow2, silu
 
 
@@ -65,18 +66,24 @@ def _conv_kernel(
 
 @triton.jit
 def _conv_update_kernel(
-    x_ptr, state_ptr, w_ptr, bias_ptr, out_ptr,
+    x_ptr, state_ptr, idx_ptr, w_ptr, bias_ptr, out_ptr,
     channels, sx_b, sx_d, ss_b, ss_d, ss_k, sw_d, sw_k, so_b,
-    WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_IDX: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
+    # The state row of batch row b: its pool slot when given indices (updated in place there).
+    row = b
+    if HAS_IDX:
+        row = tl.load(idx_ptr + b).to(tl.int64)
+    state_ptr += row * ss_b
     ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = ds < channels
     ks = tl.arange(0, BLOCK_K)
     w_ty = w_ptr.dtype.element_ty
     # The window [state columns 0..K-2, x]: column K-1 comes from x, the others from the state.
     state_mask = d_mask[:, None] & (ks < WIDTH - 1)[None, :]
-    window = tl.load(state_ptr + b * ss_b + ds[:, None] * ss_d + ks[None, :] * ss_k, mask=state_mask,
+    window = tl.load(state_ptr + ds[:, None] * ss_d + ks[None, :] * ss_k, mask=state_mask,
                      other=0.0).to(w_ty)  # fmt: skip
     xv = tl.load(x_ptr + b * sx_b + ds * sx_d, mask=d_mask, other=0.0).to(w_ty)
     window = tl.where((ks == WIDTH - 1)[None, :], xv[:, None], window)
@@ -90,10 +97,10 @@ def _conv_update_kernel(
     tl.store(out_ptr + b * so_b + ds, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
     # Shift left by one: new column j is window column j + 1. Every program has loaded its whole
     # window above, and no two programs share a state row, so the in-place store is safe.
-    shifted = tl.load(state_ptr + b * ss_b + ds[:, None] * ss_d + (ks + 1)[None, :] * ss_k,
+    shifted = tl.load(state_ptr + ds[:, None] * ss_d + (ks + 1)[None, :] * ss_k,
                       mask=d_mask[:, None] & (ks < WIDTH - 2)[None, :], other=0.0).to(w_ty)  # fmt: skip
     shifted = tl.where((ks == WIDTH - 2)[None, :], xv[:, None], shifted)
-    tl.store(state_ptr + b * ss_b + ds[:, None] * ss_d + ks[None, :] * ss_k,
+    tl.store(state_ptr + ds[:, None] * ss_d + ks[None, :] * ss_k,
              shifted.to(state_ptr.dtype.element_ty), mask=state_mask)  # fmt: skip
 
 
@@ -134,17 +141,23 @@ def causal_conv1d_update(
     weight: Tensor,
     bias: Tensor | None,
     activation: str | None = "silu",
+    conv_state_indices: Tensor | None = None,
 ) -> Tensor:
-    """Twin of `reference.conv1d.causal_conv1d_update`: updates conv_state (any strides) in place."""
-    width = _ref.check_update_args(x, conv_state, weight, bias, activation)
+    """Twin of `reference.conv1d.causal_conv1d_update`: updates conv_state (any strides) in place,
+    with `conv_state_indices` the pool rows it names."""
+    rows = conv_state
+    if conv_state_indices is not None:
+        rows = check_state_indices(conv_state, x.shape[0], conv_state_indices)
+    width = _ref.check_update_args(x, rows, weight, bias, activation)
     batch, channels = x.shape
     out = torch.empty(batch, channels, dtype=x.dtype, device=x.device)
     if batch == 0 or channels == 0:
         return out
     block_d = 128
     _conv_update_kernel[(batch, triton.cdiv(channels, block_d))](
-        x, conv_state, weight, x if bias is None else bias, out,
-        channels, *x.stride(), *conv_state.stride(), *weight.stride(), out.stride(0),
-        WIDTH=width, HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_D=block_d, BLOCK_K=next_pow2(width),
+        x, conv_state, x if conv_state_indices is None else conv_state_indices, weight, x if bias is None else bias,
+        out, channels, *x.stride(), *conv_state.stride(), *weight.stride(), out.stride(0),
+        WIDTH=width, HAS_BIAS=bias is not None, SILU=activation == "silu", HAS_IDX=conv_state_indices is not None,
+        BLOCK_D=block_d, BLOCK_K=next_pow2(width),
     )  # fmt: skip
     return out

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ..reference import delta_rule as _ref
 from ..reference.delta_rule import DeltaResult
+from ..reference.state_rows import check_state_indices
 from .jit_math import dot_precision, next_pow2
 
 
@@ -42,13 +43,18 @@ def _delta_step(state, q_ptrs, k_ptrs, v_ptrs, g_ptr, beta_ptr, k_mask, v_mask, 
 
 @triton.jit
 def _delta_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, init_ptr, out_ptr, final_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, init_ptr, out_ptr, final_ptr, idx_ptr,
     length, k_dim, v_dim, heads_per_k, scale,
     sq_b, sq_l, sq_h, sk_b, sk_l, sk_h, sv_b, sv_l, sv_h, sg_b, sg_l, sg_h, sbt_b, sbt_l, sbt_h,
     si_b, si_h, si_k, si_v, so_b, so_l, so_h, sf_b, sf_h, sf_k, sf_v,
-    L2NORM: tl.constexpr, HAS_INIT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    L2NORM: tl.constexpr, HAS_INIT: tl.constexpr, HAS_IDX: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
+    # The initial and final state rows of batch row b: its pool slot when given indices.
+    row = b
+    if HAS_IDX:
+        row = tl.load(idx_ptr + b).to(tl.int64)
     hv = tl.program_id(1)
     hk = hv // heads_per_k
     ks = tl.arange(0, BLOCK_K)
@@ -57,7 +63,7 @@ def _delta_kernel(
     v_mask = vs < v_dim
     state_mask = k_mask[:, None] & v_mask[None, :]
     if HAS_INIT:
-        state = tl.load(init_ptr + b * si_b + hv * si_h + ks[:, None] * si_k + vs[None, :] * si_v, mask=state_mask,
+        state = tl.load(init_ptr + row * si_b + hv * si_h + ks[:, None] * si_k + vs[None, :] * si_v, mask=state_mask,
                         other=0.0).to(tl.float32)  # fmt: skip
     else:
         state = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
@@ -68,7 +74,7 @@ def _delta_kernel(
             beta_ptr + b * sbt_b + t * sbt_l + hv * sbt_h, k_mask, v_mask, scale, L2NORM,
         )  # fmt: skip
         tl.store(out_ptr + b * so_b + t * so_l + hv * so_h + vs, o.to(out_ptr.dtype.element_ty), mask=v_mask)
-    tl.store(final_ptr + b * sf_b + hv * sf_h + ks[:, None] * sf_k + vs[None, :] * sf_v,
+    tl.store(final_ptr + row * sf_b + hv * sf_h + ks[:, None] * sf_k + vs[None, :] * sf_v,
              state.to(final_ptr.dtype.element_ty), mask=state_mask)  # fmt: skip
 
 
@@ -200,13 +206,16 @@ def recurrent_gated_delta_rule_update(
     state: Tensor,
     use_qk_l2norm: bool = True,
     scale: float | None = None,
+    state_batch_indices: Tensor | None = None,
 ) -> Tensor:
-    """Twin of `reference.delta_rule.recurrent_gated_delta_rule_update`: updates `state` in place."""
-    _ref._check_layout(q, k, v, g, beta, token_dims=1)
+    """Twin of `reference.delta_rule.recurrent_gated_delta_rule_update`: updates `state` in place,
+    with `state_batch_indices` the pool rows it names."""
+    rows = state
+    if state_batch_indices is not None:
+        rows = check_state_indices(state, q.shape[0], state_batch_indices)
+    _ref.check_update_state(q, k, v, g, beta, rows)
     batch, _, k_dim = q.shape
     v_heads, v_dim = v.shape[1], v.shape[2]
-    if tuple(state.shape) != (batch, v_heads, k_dim, v_dim):
-        raise ValueError(f"state must be [Bt={batch}, Hv={v_heads}, Dk={k_dim}, Dv={v_dim}], got {tuple(state.shape)}")
     out = torch.empty(batch, v_heads, v_dim, dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
@@ -216,11 +225,12 @@ def recurrent_gated_delta_rule_update(
     q, k, v, g, beta, step_out = (t.unsqueeze(1) for t in (q, k, v, g, beta, out))
     block_v = min(32, next_pow2(v_dim))
     _delta_kernel[(batch, v_heads, triton.cdiv(v_dim, block_v))](
-        q, k, v, g, beta, state, step_out, state,
+        q, k, v, g, beta, state, step_out, state, q if state_batch_indices is None else state_batch_indices,
         1, k_dim, v_dim, v_heads // q.shape[2], k_dim**-0.5 if scale is None else scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *g.stride(), *beta.stride(),
         *state.stride(), step_out.stride(0), step_out.stride(1), step_out.stride(2), *state.stride(),
-        L2NORM=use_qk_l2norm, HAS_INIT=True, BLOCK_K=next_pow2(k_dim), BLOCK_V=block_v,
+        L2NORM=use_qk_l2norm, HAS_INIT=True, HAS_IDX=state_batch_indices is not None, BLOCK_K=next_pow2(k_dim),
+        BLOCK_V=block_v,
     )  # fmt: skip
     return out

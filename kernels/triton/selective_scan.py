@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..reference import selective_scan as _ref
 from ..reference.ssd import ScanResult
+from ..reference.state_rows import check_state_indices
 from .jit_math import next_pow2, silu, softplus
 
 
@@ -76,19 +77,23 @@ def _scan_kernel(
 
 @triton.jit
 def _update_kernel(
-    state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, y_ptr,
+    state_ptr, idx_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, y_ptr,
     channels, state_size,
     ss_b, ss_d, ss_n, sx_b, sx_d, sdt_b, sdt_d, sa_d, sa_n, sb_b, sb_n, sc_b, sc_n, sz_b, sz_d, sy_b,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_IDX: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
+    # The state row of batch row b: its pool slot when given indices (updated in place there).
+    row = b
+    if HAS_IDX:
+        row = tl.load(idx_ptr + b).to(tl.int64)
     ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = ds < channels
     ns = tl.arange(0, BLOCK_N)
     n_mask = ns < state_size
     state_mask = d_mask[:, None] & n_mask[None, :]
-    state_ptrs = state_ptr + b * ss_b + ds[:, None] * ss_d + ns[None, :] * ss_n
+    state_ptrs = state_ptr + row * ss_b + ds[:, None] * ss_d + ns[None, :] * ss_n
     state = tl.load(state_ptrs, mask=state_mask, other=0.0).to(tl.float32)
     a = tl.load(a_ptr + ds[:, None] * sa_d + ns[None, :] * sa_n, mask=state_mask, other=0.0).to(tl.float32)
     dt_bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -171,30 +176,27 @@ def selective_state_update_mamba1(
     z: Tensor | None = None,
     dt_bias: Tensor | None = None,
     dt_softplus: bool = True,
+    state_batch_indices: Tensor | None = None,
 ) -> Tensor:
-    """Twin of `reference.selective_scan.selective_state_update_mamba1`: updates `state` in place."""
-    if x.dim() != 2:
-        raise ValueError(f"x must be [Bt, D], got {tuple(x.shape)}")
+    """Twin of `reference.selective_scan.selective_state_update_mamba1`: updates `state` in place,
+    with `state_batch_indices` the pool rows it names."""
+    rows = state
+    if state_batch_indices is not None:
+        rows = check_state_indices(state, x.shape[0], state_batch_indices)
+    _ref.check_update_args(rows, x, dt, A, B, C, D, z, dt_bias)
     batch, channels = x.shape
-    for name, t in (("dt", dt), ("z", z)):
-        if t is not None and t.shape != x.shape:
-            raise ValueError(f"{name} must have x's shape {tuple(x.shape)}, got {tuple(t.shape)}")
-    state_size = _ref._check_params(channels, A, D, dt_bias, "dt_bias")
-    for name, t in (("B", B), ("C", C)):
-        if tuple(t.shape) != (batch, state_size):
-            raise ValueError(f"{name} must be [Bt={batch}, N={state_size}], got {tuple(t.shape)}")
-    if tuple(state.shape) != (batch, channels, state_size):
-        raise ValueError(f"state must be [Bt={batch}, D={channels}, N={state_size}], got {tuple(state.shape)}")
+    state_size = A.shape[1]
     y = torch.empty(batch, channels, dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
     zz = x if z is None else z
     block_d = _block_d(state_size)
     _update_kernel[(batch, triton.cdiv(channels, block_d))](
-        state, x, dt, A, B, C, x if D is None else D, zz, x if dt_bias is None else dt_bias, y,
+        state, x if state_batch_indices is None else state_batch_indices,
+        x, dt, A, B, C, x if D is None else D, zz, x if dt_bias is None else dt_bias, y,
         channels, state_size,
         *state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(), *zz.stride(), y.stride(0),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
-        BLOCK_D=block_d, BLOCK_N=next_pow2(state_size),
+        HAS_IDX=state_batch_indices is not None, BLOCK_D=block_d, BLOCK_N=next_pow2(state_size),
     )  # fmt: skip
     return y

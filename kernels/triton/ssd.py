@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..reference import ssd as _ref
 from ..reference.ssd import ScanResult
+from ..reference.state_rows import check_state_indices
 from .jit_math import dot_precision, next_pow2, softplus
 
 
@@ -96,13 +97,17 @@ def _ssd_scan_kernel(
 
 @triton.jit
 def _state_update_kernel(
-    state_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, y_ptr,
+    state_ptr, idx_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, y_ptr,
     head_dim, state_size, heads_per_group, dt_low, dt_high,
     ss_b, ss_h, ss_p, ss_n, sx_b, sx_h, sx_p, sdt_b, sdt_h, sb_b, sb_g, sb_n, sc_b, sc_g, sc_n, sy_b, sy_h,
     HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_IDX: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
+    # The state row of batch row b: its pool slot when given indices (updated in place there).
+    row = b
+    if HAS_IDX:
+        row = tl.load(idx_ptr + b).to(tl.int64)
     h = tl.program_id(1)
     g = h // heads_per_group
     ps = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -110,7 +115,7 @@ def _state_update_kernel(
     ns = tl.arange(0, BLOCK_N)
     n_mask = ns < state_size
     state_mask = p_mask[:, None] & n_mask[None, :]
-    state_ptrs = state_ptr + b * ss_b + h * ss_h + ps[:, None] * ss_p + ns[None, :] * ss_n
+    state_ptrs = state_ptr + row * ss_b + h * ss_h + ps[:, None] * ss_p + ns[None, :] * ss_n
     state = tl.load(state_ptrs, mask=state_mask, other=0.0).to(tl.float32)
     dt_bias = 0.0
     if HAS_DT_BIAS:
@@ -188,9 +193,14 @@ def selective_state_update(
     dt_bias: Tensor | None = None,
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
+    state_batch_indices: Tensor | None = None,
 ) -> Tensor:
-    """Twin of `reference.ssd.selective_state_update`: updates `state` (any strides) in place."""
-    rep = _ref.check_state_update_args(state, x, dt, A, B, C, D, dt_bias)
+    """Twin of `reference.ssd.selective_state_update`: updates `state` (any strides) in place, with
+    `state_batch_indices` the pool rows it names."""
+    rows = state
+    if state_batch_indices is not None:
+        rows = check_state_indices(state, x.shape[0], state_batch_indices)
+    rep = _ref.check_state_update_args(rows, x, dt, A, B, C, D, dt_bias)
     batch, heads, head_dim = x.shape
     state_size = B.shape[2]
     has_limit, low, high = _limit(dt_limit)
@@ -200,10 +210,11 @@ def selective_state_update(
     block_p = min(32, next_pow2(head_dim))
     grid = (batch, heads, triton.cdiv(head_dim, block_p))
     _state_update_kernel[grid](
-        state, x, dt, A, B, C, x if D is None else D, x if dt_bias is None else dt_bias, y,
+        state, x if state_batch_indices is None else state_batch_indices,
+        x, dt, A, B, C, x if D is None else D, x if dt_bias is None else dt_bias, y,
         head_dim, state_size, rep, low, high,
         *state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), y.stride(0), y.stride(1),
         HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
-        BLOCK_P=block_p, BLOCK_N=next_pow2(state_size),
+        HAS_IDX=state_batch_indices is not None, BLOCK_P=block_p, BLOCK_N=next_pow2(state_size),
     )  # fmt: skip
     return y

@@ -84,10 +84,16 @@ class PageTables:
             log.info("%s: grammar matcher rebuilt from %d output tokens", plan.rid, g.seen)
         return g
 
-    def update(self, plan: SeqPlan, new_pages: torch.Tensor) -> SeqState:
-        """Apply one sequence's delta (`new_pages` is its slice of the batch's pages tensor)."""
-        if new_pages.numel() and (int(new_pages.min()) < 0 or int(new_pages.max()) >= self.num_pages):
+    def check_pages(self, plan: SeqPlan, host_pages: torch.Tensor) -> None:
+        """Raise WireError unless one sequence's new pages (its slice of the batch's pages tensor, the
+        host copy: reading a device copy would cost a synchronisation per sequence) are in range."""
+        assert host_pages.device.type == "cpu"
+        if host_pages.numel() and (int(host_pages.min()) < 0 or int(host_pages.max()) >= self.num_pages):
             raise WireError(f"{plan.rid}: page index out of range")
+
+    def update(self, plan: SeqPlan, new_pages: torch.Tensor) -> SeqState:
+        """Apply one sequence's delta (`new_pages` is its slice of the batch's pages tensor, on the
+        worker's device, already checked by `check_pages`)."""
         if plan.reset:
             if plan.page_start != 0 or plan.sampling is None:
                 raise WireError(f"{plan.rid}: a fresh page table starts at 0 with its sampling parameters")

@@ -8,8 +8,8 @@ gathered ("resident") from one step to the next and are written back only when s
 about to read or write the pool: a different batch, a prefill, a state copy or reset, a copy to or
 from the host, a look at the pool from outside (`StatePool.tensors`).
 
-Only CPU pools: on a GPU, reading the slots on the host to compare batches would cost a
-synchronisation per step, and a gather there is cheap against the forward.
+Only on the CPU path: on a GPU, reading the slots on the host to compare batches would cost a
+synchronisation per step, and the kernels update the pool rows in place by slot index anyway.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
+
+from himamba.kernels.dispatch import cuda_path
 
 if TYPE_CHECKING:
     from himamba.services.worker.forward_batch import ForwardBatch
@@ -61,4 +63,4 @@ class ResidentRows:
 def is_resident_batch(batch: ForwardBatch) -> bool:
     """A batch whose rows may stay resident: a decode step over CPU slots."""
     slots = batch.state_slots
-    return batch.mode == "decode" and slots is not None and slots.device.type == "cpu" and slots.numel() > 0
+    return batch.mode == "decode" and slots is not None and not cuda_path(slots) and slots.numel() > 0

@@ -26,13 +26,17 @@ def build_forward_batch(
         raise WireError("RunBatch without input_ids/pages tensors")
     ids_cpu = get_tensor(frames, plan.input_ids)
     input_ids = ids_cpu.to(device=device, dtype=torch.int64)
-    pages = get_tensor(frames, plan.pages).to(device=device, dtype=torch.int64)
+    pages_cpu = get_tensor(frames, plan.pages)
     seqs = plan.seqs
     if input_ids.numel() != sum(s.new_len for s in seqs):
         raise WireError(f"input_ids has {input_ids.numel()} tokens, plan says {sum(s.new_len for s in seqs)}")
-    if pages.numel() != sum(s.num_new_pages for s in seqs):
+    if pages_cpu.numel() != sum(s.num_new_pages for s in seqs):
         raise WireError("pages tensor does not match the plan")
+    start = 0
     for s in seqs:
+        # Checked on the host copy, before it goes to the device (no synchronisation there).
+        tables.check_pages(s, pages_cpu[start : start + s.num_new_pages])
+        start += s.num_new_pages
         if not (0 <= s.state_slot < num_slots):
             raise WireError(f"state slot {s.state_slot} out of range")
         if plan.mode == "decode" and s.new_len != 1:
@@ -41,6 +45,7 @@ def build_forward_batch(
             if not (1 <= off <= s.new_len) or not (0 <= slot < num_slots):
                 raise WireError(f"{s.rid}: capture ({off}, {slot}) out of range")
 
+    pages = pages_cpu.to(device=device, dtype=torch.int64)
     states: list[SeqState] = []
     positions, write_slots, seq_slots = [], [], []
     start = tok = 0

@@ -88,6 +88,20 @@ def columns(t: torch.Tensor, extra: int, seed: int) -> torch.Tensor:
     return wide[:, : t.shape[1]]
 
 
+# Decode updates run on pool rows in place (consecutive slots), on a gathered copy, or on the whole
+# pool with the batch's slots as state_batch_indices (shuffled, not consecutive, int64 or int32).
+UPDATE_ROWS = ["pool", "gathered", "indexed-i64", "indexed-i32"]
+
+
+def state_rows(pool: torch.Tensor, rows: str, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a decode update gets as its state for `rows` (see UPDATE_ROWS), and its slot indices (or None)."""
+    if rows == "pool":
+        return pool.narrow(0, 2, len(slots)), None
+    if rows == "gathered":
+        return pool.index_select(0, idx(slots)), None
+    return pool, idx(slots).to(torch.int32 if rows == "indexed-i32" else torch.int64)
+
+
 # ----------------------------------------------------------------------------------------- norm
 
 
@@ -138,17 +152,16 @@ def _conv(length: int, width: int, bias: bool, init: bool, time_major: bool, act
     return check(got.out, want.out, dtype) + check(got.final_state, want.final_state, dtype)
 
 
-@case(bias=[True, False], rows=["pool", "gathered"], dtype=[torch.float32, torch.float16])
+@case(bias=[True, False], rows=UPDATE_ROWS, dtype=[torch.float32, torch.float16])
 def causal_conv1d_update(bias: bool, rows: str, dtype: torch.dtype) -> int:
     batch, channels, width = 3, 72, 4
     x = columns(rand(batch, channels, seed=1, dtype=dtype), 33, seed=2)  # the xBC split of a projection
     pool = rand(8, channels, width - 1, seed=3, dtype=dtype)
     weight, b = rand(channels, width, seed=4, dtype=dtype), rand(channels, seed=5, dtype=dtype) if bias else None
-    # Decode updates pool rows in place (consecutive slots) or a gathered copy.
-    state = pool.narrow(0, 2, batch) if rows == "pool" else pool.index_select(0, idx([5, 0, 7]))
+    state, slots = state_rows(pool, rows, [5, 0, 7])
     want_state = state.clone()
-    want = ref("conv1d").causal_conv1d_update(x, want_state, weight, b)
-    got = twin("conv1d").causal_conv1d_update(x, state, weight, b)
+    want = ref("conv1d").causal_conv1d_update(x, want_state, weight, b, "silu", slots)
+    got = twin("conv1d").causal_conv1d_update(x, state, weight, b, "silu", slots)
     return check(got, want, dtype) + check(state, want_state, dtype)
 
 
@@ -213,11 +226,11 @@ def ssd_scan_capture_offsets(offset: int, layout: str) -> int:
     )
 
 
-@case(groups=[1, 2], rows=["pool", "gathered"], limit=[False, True])
+@case(groups=[1, 2], rows=UPDATE_ROWS, limit=[False, True])
 def selective_state_update(groups: int, rows: str, limit: bool) -> int:
     batch, heads, head_dim, state_size = 3, 4, 16, 16
     pool = rand(8, heads, head_dim, state_size, seed=1)
-    state = pool.narrow(0, 3, batch) if rows == "pool" else pool.index_select(0, idx([6, 1, 4]))
+    state, slots = state_rows(pool, rows, [6, 1, 4])
     # x, B and C as the Mamba2 layer passes them: reshaped column splits of one projection.
     xbc = rand(batch, heads * head_dim + 2 * groups * state_size + 5, seed=2)
     x = xbc[:, : heads * head_dim].reshape(batch, heads, head_dim)
@@ -225,7 +238,8 @@ def selective_state_update(groups: int, rows: str, limit: bool) -> int:
     c = xbc[:, heads * head_dim + groups * state_size : -5].reshape(batch, groups, state_size)
     dt = columns(rand(batch, heads, seed=3), 3, seed=4)
     A, D, bias = -torch.exp(rand(heads, seed=5)), rand(heads, seed=6), rand(heads, seed=7)
-    kw = {"dt_limit": (0.1, 1.0)} if limit else {}
+    kw: dict = {"dt_limit": (0.1, 1.0)} if limit else {}
+    kw["state_batch_indices"] = slots
     want_state = state.clone()
     want = ref("ssd").selective_state_update(want_state, x, dt, A, b, c, D, bias, **kw)
     got = twin("ssd").selective_state_update(state, x, dt, A, b, c, D, bias, **kw)
@@ -328,17 +342,28 @@ def _mamba1_scan(length: int, channels: int, options: str) -> int:
     return check(got.y, want.y, scale=5) + check(got.final_state, want.final_state, scale=5)
 
 
-@case(options=["all", "bare"], dtype=[torch.float32, torch.float16])
-def selective_state_update_mamba1(options: str, dtype: torch.dtype) -> int:
+@case(options=["all", "bare"], dtype=[torch.float32, torch.float16], rows=["batch"])
+def selective_state_update_mamba1(options: str, dtype: torch.dtype, rows: str) -> int:
+    return _mamba1_update(options, dtype, rows)
+
+
+@case(options=["all"], dtype=[torch.float32], rows=["indexed-i64", "indexed-i32"])
+def selective_state_update_mamba1_indexed(options: str, dtype: torch.dtype, rows: str) -> int:
+    return _mamba1_update(options, dtype, rows)
+
+
+def _mamba1_update(options: str, dtype: torch.dtype, rows: str) -> int:
     args = {
         k: (v[:, 0] if k in ("u", "delta", "B", "C", "z") else v) for k, v in _mamba1_inputs(3, 1, 40, dtype).items()
     }
     state = args.pop("initial_state")
     x, dt, bias = args.pop("u"), args.pop("delta"), args.pop("delta_bias")
-    kw = {"D": args["D"], "z": args["z"], "dt_bias": bias}
+    kw: dict = {"D": args["D"], "z": args["z"], "dt_bias": bias}
     if options == "bare":
         kw = {"dt_softplus": False}
         dt = dt.abs()
+    if rows != "batch":
+        state, kw["state_batch_indices"] = state_rows(rand(7, *state.shape[1:], seed=9), rows, [4, 0, 6])
     want_state = state.clone()
     want = ref("selective_scan").selective_state_update_mamba1(want_state, x, dt, args["A"], args["B"], args["C"], **kw)
     got = twin("selective_scan").selective_state_update_mamba1(state, x, dt, args["A"], args["B"], args["C"], **kw)
@@ -393,14 +418,23 @@ def _chunk_delta(
 
 @case(dims=["64:64", "128:128"], rows=["pool", "gathered"], dtype=[torch.float32, torch.float16])
 def recurrent_gated_delta_rule_update(dims: str, rows: str, dtype: torch.dtype) -> int:
+    return _delta_update(dims, rows, dtype)
+
+
+@case(dims=["64:64"], rows=["indexed-i64", "indexed-i32"], dtype=[torch.float32])
+def recurrent_gated_delta_rule_update_indexed(dims: str, rows: str, dtype: torch.dtype) -> int:
+    return _delta_update(dims, rows, dtype)
+
+
+def _delta_update(dims: str, rows: str, dtype: torch.dtype) -> int:
     k_dim, v_dim = map(int, dims.split(":"))
     q, k, v, g, beta, _ = _delta_inputs(3, 1, 2, 4, k_dim, v_dim, dtype)
     q, k, v, g, beta = (t[:, 0] for t in (q, k, v, g, beta))
     pool = rand(6, 4, k_dim, v_dim, seed=9) * 0.1
-    state = pool.narrow(0, 1, 3) if rows == "pool" else pool.index_select(0, idx([4, 0, 2]))
+    state, slots = state_rows(pool, rows, [4, 0, 2])
     want_state = state.clone()
-    want = ref("delta_rule").recurrent_gated_delta_rule_update(q, k, v, g, beta, want_state)
-    got = twin("delta_rule").recurrent_gated_delta_rule_update(q, k, v, g, beta, state)
+    want = ref("delta_rule").recurrent_gated_delta_rule_update(q, k, v, g, beta, want_state, state_batch_indices=slots)
+    got = twin("delta_rule").recurrent_gated_delta_rule_update(q, k, v, g, beta, state, state_batch_indices=slots)
     return check(got, want, dtype) + check(state, want_state, scale=5)
 
 

@@ -1,5 +1,7 @@
 """Decode updates recurrent states in the pool itself when a batch's slots are consecutive, and
-through gathered copies otherwise: both paths must give the same tokens, bit for bit."""
+through gathered copies otherwise: both paths must give the same tokens, bit for bit. On the CUDA
+path the kernels take the whole pool and the batch's slots and update the pool rows in place: no
+gathered copy, no scatter, the same tokens."""
 
 from __future__ import annotations
 
@@ -8,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from himamba.services.worker.layers.pool_rows import consecutive_rows
+from himamba.kernels.dispatch import CUDA_PATH_ENV
+from himamba.services.worker.layers import pool_rows
+from himamba.services.worker.layers.pool_rows import consecutive_rows, decode_rows
 from himamba.services.worker.loader import load_model
 from tests.worker.harness import Harness, Sequence
-from tests.worker.hf_reference import save_nemotron_h
+from tests.worker.hf_reference import save_nemotron_h, save_tiny
 
 
 def test_consecutive_rows_is_a_view_of_the_pool() -> None:
@@ -62,3 +66,37 @@ def test_in_place_and_gathered_state_updates_agree(model, in_place: list[int], g
     b = _generate(model, gathered, prompts, steps=6)
     for step, (x, y) in enumerate(zip(a, b, strict=True)):
         assert torch.equal(x, y), f"step {step}"
+
+
+def test_decode_rows_on_the_cuda_path_is_the_pool_and_its_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool, slots = torch.zeros(8, 3), torch.tensor([2, 3, 4])
+    assert decode_rows(pool, slots).indices is None  # CPU: a view of consecutive rows
+    monkeypatch.setenv(CUDA_PATH_ENV, "1")
+    rows = decode_rows(pool, slots)
+    assert rows.state is pool and rows.indices is slots and not rows.gathered
+
+
+# One family per recurrent decode update: Mamba2 (conv + SSD), Mamba1, the gated delta rule, the short conv.
+CUDA_PATH_FAMILIES = ["NemotronH", "Jamba", "Qwen3Next", "Lfm2"]
+
+
+@pytest.mark.parametrize("architecture", CUDA_PATH_FAMILIES)
+def test_the_cuda_path_updates_pool_rows_in_place_with_no_copies(
+    architecture: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tiny = load_model(save_tiny(architecture, tmp_path / "hf"))
+    slots = [9, 2, 12]  # neither consecutive nor ordered: the CPU path gathers and scatters these
+    prompts = [[(5 * i + 3 * j) % 400 + 1 for j in range(4 + 7 * i)] for i in range(len(slots))]
+    cpu = _generate(tiny, slots, prompts, steps=4)
+
+    def no_copy(*args: object) -> None:
+        raise AssertionError("the CUDA decode path gathered or scattered state rows")
+
+    monkeypatch.setenv(CUDA_PATH_ENV, "1")
+    monkeypatch.setattr(pool_rows, "gather_state_rows", no_copy)
+    monkeypatch.setattr(pool_rows, "scatter_state_rows", no_copy)
+    cuda = _generate(tiny, slots, prompts, steps=4)
+    for step, (x, y) in enumerate(zip(cpu, cuda, strict=True)):
+        # The CPU path runs the native kernels on gathered rows, the CUDA path the references on the
+        # pool by index: the same arithmetic up to float32 rounding.
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4, msg=f"step {step}")

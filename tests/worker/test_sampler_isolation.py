@@ -79,3 +79,79 @@ def test_greedy_ties_take_the_first_index_over_a_large_vocabulary() -> None:
     logits[2] -= 1.0
     got = sample(logits, [SamplingParams()] * 3, [0] * 3)
     assert got.tokens == [70_000, 0, 0] and got.errors == {}
+
+
+# A seeded request among batch-mates that differ in every way the sampler batches over.
+SEEDED = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, min_p=0.02, seed=42, repetition_penalty=1.2)
+MATES = [
+    SamplingParams(),
+    SamplingParams(temperature=1.3, seed=7),
+    SamplingParams(temperature=0.5, top_k=3),
+    SamplingParams(temperature=1.0, top_p=0.5, frequency_penalty=0.5, seed=9),
+    SamplingParams(temperature=0.7, min_p=0.3),
+]
+
+
+def _penalty(params: SamplingParams, history: list[int]) -> PenaltyState | None:
+    if not params.penalised:
+        return None
+    state = PenaltyState(V, num_prompt=2, device=torch.device("cpu"))
+    state.feed(history)
+    return state
+
+
+@pytest.mark.parametrize("position", [0, 3, 5])
+def test_a_seeded_request_gets_the_same_tokens_alone_and_in_any_batch(position: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    alone: list[int] = []
+    batched: list[int] = []
+    for step in range(12):
+        row = torch.randn(V, generator=gen) * 3
+        mates = torch.randn(len(MATES), V, generator=gen) * 3
+        history = [1, 2, *alone]
+        got = sample(row[None], [SEEDED], [step], [_penalty(SEEDED, history)])
+        assert got.errors == {}
+        alone.append(got.tokens[0])
+        logits = torch.cat([mates[:position], row[None], mates[position:]])
+        params = [*MATES[:position], SEEDED, *MATES[position:]]
+        pens = [_penalty(p, [1, 2, *batched] if p is SEEDED else [3, 4, 5]) for p in params]
+        got = sample(logits, params, [step if p is SEEDED else 100 + step for p in params], pens)
+        assert got.errors == {}
+        batched.append(got.tokens[position])
+    assert batched == alone
+    assert len(set(alone)) > 1  # it samples, not a constant
+
+
+def test_the_draw_follows_the_probabilities() -> None:
+    # Token i with probability probs[i]: counts over 4000 seeded steps within 4 standard deviations.
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1] + [0.0] * (V - 4))
+    logits = probs.log()
+    n = 4000
+    params = [SamplingParams(temperature=1.0, seed=11)] * n
+    got = sample(logits.expand(n, V), params, list(range(n)))
+    counts = torch.bincount(torch.tensor(got.tokens), minlength=V).float()
+    assert counts[4:].sum() == 0
+    sd = (n * probs[:4] * (1 - probs[:4])).sqrt()
+    assert ((counts[:4] - n * probs[:4]).abs() <= 4 * sd).all(), counts[:4]
+
+
+@pytest.mark.parametrize(
+    ("params", "allowed"),
+    [
+        (SamplingParams(temperature=2.0, top_k=3, seed=1), {0, 1, 2}),
+        (SamplingParams(temperature=1.0, top_p=0.7, seed=2), {0, 1}),  # 0.4 + 0.3 reach 0.7
+        (SamplingParams(temperature=1.0, min_p=0.5, seed=3), {0, 1}),  # 0.3 >= 0.5 * 0.4
+    ],
+    ids=["top-k", "top-p", "min-p"],
+)
+def test_each_filter_keeps_exactly_its_tokens(params: SamplingParams, allowed: set[int]) -> None:
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05] + [0.0] * (V - 5))
+    n = 400
+    greedy_mate = [SamplingParams()] * n  # interleaved greedy rows keep the argmax
+    got = sample(
+        probs.log().expand(2 * n, V),
+        [x for pair in zip([params] * n, greedy_mate, strict=True) for x in pair],
+        [s for step in range(n) for s in (step, step)],
+    )
+    assert set(got.tokens[0::2]) == allowed
+    assert set(got.tokens[1::2]) == {0}

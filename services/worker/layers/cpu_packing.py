@@ -24,9 +24,10 @@ Packed = PanelWeight | torch.Tensor
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """oneDNN packing applies: a CPU float32 / bfloat16 matrix and a torch built with oneDNN."""
+    """oneDNN packing applies: a CPU float32 / bfloat16 matrix (not on the CUDA path, see
+    `dispatch.cuda_path`) and a torch built with oneDNN."""
     return (
-        weight.device.type == "cpu"
+        not dispatch.cuda_path(weight)
         and weight.dim() == 2
         and weight.dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()

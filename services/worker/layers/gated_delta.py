@@ -18,13 +18,12 @@ from himamba.kernels import (
     causal_conv1d_update,
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule_update,
-    scatter_state_rows,
 )
 from himamba.services.worker.forward_batch import ForwardBatch
 from himamba.services.worker.layers.conv_activation import conv_activation
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.mamba2 import DepthwiseConv
-from himamba.services.worker.layers.pool_rows import rows_to_update
+from himamba.services.worker.layers.pool_rows import decode_rows, write_back
 from himamba.services.worker.layers.recurrent_segments import State, run_prefill
 from himamba.services.worker.pools import StateComponent
 
@@ -135,17 +134,20 @@ class GatedDeltaNet(nn.Module):
         if batch.mode == "decode":
             assert batch.state_slots is not None
             slots = batch.state_slots
-            # Updated in place: the pool's rows when the slots are consecutive (one sequence, or a
-            # batch's resident rows), else gathered copies written back.
-            conv_state, gathered = rows_to_update(state["conv"], slots)
-            conv_out = self.conv_act.apply(causal_conv1d_update(mixed, conv_state, weight, None, self.conv_act.fused))
-            if gathered:
-                scatter_state_rows(state["conv"], slots, conv_state)
+            # Both kernels update the state they are given in place (pool_rows.decode_rows).
+            conv = decode_rows(state["conv"], slots)
+            conv_out = self.conv_act.apply(
+                causal_conv1d_update(
+                    mixed, conv.state, weight, None, self.conv_act.fused, conv_state_indices=conv.indices
+                )
+            )
+            write_back(state["conv"], slots, conv)
             q, k, v = self._split_heads(conv_out)
-            recurrent, gathered = rows_to_update(state["recurrent"], slots)
-            out = recurrent_gated_delta_rule_update(q, k, v, g, beta, recurrent, use_qk_l2norm=True)
-            if gathered:
-                scatter_state_rows(state["recurrent"], slots, recurrent)
+            rec = decode_rows(state["recurrent"], slots)
+            out = recurrent_gated_delta_rule_update(
+                q, k, v, g, beta, rec.state, use_qk_l2norm=True, state_batch_indices=rec.indices
+            )
+            write_back(state["recurrent"], slots, rec)
         else:
 
             def step(start: int, end: int, carried: State | None) -> tuple[torch.Tensor, State]:

@@ -16,7 +16,6 @@ from torch import nn
 from himamba.kernels import (
     causal_conv1d,
     causal_conv1d_update,
-    scatter_state_rows,
     selective_scan,
     selective_state_update_mamba1,
 )
@@ -25,7 +24,7 @@ from himamba.services.worker.layers.conv_activation import conv_activation
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.mamba2 import DepthwiseConv
 from himamba.services.worker.layers.norm import RMSNorm
-from himamba.services.worker.layers.pool_rows import rows_to_update
+from himamba.services.worker.layers.pool_rows import decode_rows, write_back
 from himamba.services.worker.layers.recurrent_segments import State, run_prefill
 from himamba.services.worker.pools import StateComponent
 
@@ -104,19 +103,21 @@ class Mamba1Mixer(nn.Module):
         if batch.mode == "decode":
             assert batch.state_slots is not None
             slots = batch.state_slots
-            # Updated in place: the pool's rows when the slots are consecutive (one sequence, or a
-            # batch's resident rows), else gathered copies written back.
-            conv_state, gathered = rows_to_update(state["conv"], slots)
+            # Both kernels update the state they are given in place (pool_rows.decode_rows).
+            conv = decode_rows(state["conv"], slots)
             xc = self.conv_act.apply(
-                causal_conv1d_update(xs, conv_state, weight, self.conv1d.bias, self.conv_act.fused)
+                causal_conv1d_update(
+                    xs, conv.state, weight, self.conv1d.bias, self.conv_act.fused, conv_state_indices=conv.indices
+                )
             )
-            if gathered:
-                scatter_state_rows(state["conv"], slots, conv_state)
+            write_back(state["conv"], slots, conv)
             dt, b, c = self._ssm_inputs(xc)
-            ssm, gathered = rows_to_update(state["ssm"], slots)
-            y = selective_state_update_mamba1(ssm, xc, dt, A, b, c, D=self.D, z=z, dt_bias=dt_bias, dt_softplus=True)
-            if gathered:
-                scatter_state_rows(state["ssm"], slots, ssm)
+            ssm = decode_rows(state["ssm"], slots)
+            y = selective_state_update_mamba1(
+                ssm.state, xc, dt, A, b, c, D=self.D, z=z, dt_bias=dt_bias, dt_softplus=True,
+                state_batch_indices=ssm.indices,
+            )  # fmt: skip
+            write_back(state["ssm"], slots, ssm)
         else:
 
             def step(start: int, end: int, carried: State | None) -> tuple[torch.Tensor, State]:

@@ -16,7 +16,6 @@ from torch import nn
 from himamba.kernels import (
     causal_conv1d,
     causal_conv1d_update,
-    scatter_state_rows,
     selective_state_update,
     ssd_scan,
 )
@@ -24,7 +23,7 @@ from himamba.services.worker.forward_batch import ForwardBatch
 from himamba.services.worker.layers.conv_activation import conv_activation
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.norm import GatedRMSNorm
-from himamba.services.worker.layers.pool_rows import rows_to_update
+from himamba.services.worker.layers.pool_rows import decode_rows, write_back
 from himamba.services.worker.layers.recurrent_segments import State, run_prefill
 from himamba.services.worker.pools import StateComponent
 
@@ -146,17 +145,15 @@ class Mamba2Scan(nn.Module):
         slots = batch.state_slots
         assert slots is not None
         batch_size = xbc.shape[0]
-        # Both kernels update the state they are given in place: the pool rows themselves when
-        # the slots are consecutive (one sequence, or a batch's resident rows), else gathered
-        # copies written back.
-        conv_state, gathered = rows_to_update(conv_pool, slots)
-        ssm_state, _ = rows_to_update(ssm_pool, slots)
-        xbc = self.conv_act.apply(
-            causal_conv1d_update(xbc, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.conv_act.fused)
+        # Both kernels update the state they are given in place (pool_rows.decode_rows).
+        conv_rows, ssm_rows = decode_rows(conv_pool, slots), decode_rows(ssm_pool, slots)
+        weight = self.conv1d.weight.squeeze(1)
+        conv = causal_conv1d_update(
+            xbc, conv_rows.state, weight, self.conv1d.bias, self.conv_act.fused, conv_state_indices=conv_rows.indices
         )
-        x, b, c = self._split_xbc(xbc)
+        x, b, c = self._split_xbc(self.conv_act.apply(conv))
         y = selective_state_update(
-            ssm_state,
+            ssm_rows.state,
             x.reshape(batch_size, self.num_heads, self.head_dim),
             dt,
             -torch.exp(self.A_log),
@@ -167,10 +164,10 @@ class Mamba2Scan(nn.Module):
             dt_softplus=True,
             # No dt_limit here: transformers, mamba_ssm and vLLM clamp dt in the chunked scan only,
             # and their decode step is what our tokens must equal for real checkpoints.
+            state_batch_indices=ssm_rows.indices,
         )
-        if gathered:
-            scatter_state_rows(conv_pool, slots, conv_state)
-            scatter_state_rows(ssm_pool, slots, ssm_state)
+        write_back(conv_pool, slots, conv_rows)
+        write_back(ssm_pool, slots, ssm_rows)
         return y.reshape(batch_size, self.intermediate_size)
 
 

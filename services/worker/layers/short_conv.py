@@ -9,10 +9,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from himamba.kernels import causal_conv1d, causal_conv1d_update, gather_state_rows, scatter_state_rows
+from himamba.kernels import causal_conv1d, causal_conv1d_update
 from himamba.services.worker.forward_batch import ForwardBatch
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.mamba2 import DepthwiseConv
+from himamba.services.worker.layers.pool_rows import decode_rows, write_back
 from himamba.services.worker.layers.recurrent_segments import State, run_prefill
 from himamba.services.worker.pools import StateComponent
 
@@ -48,9 +49,9 @@ class ShortConv(nn.Module):
         weight = self.conv.weight.squeeze(1)
         if batch.mode == "decode":
             assert batch.state_slots is not None
-            conv_state = gather_state_rows(state["conv"], batch.state_slots)
-            y = causal_conv1d_update(bx, conv_state, weight, self.conv.bias, None)
-            scatter_state_rows(state["conv"], batch.state_slots, conv_state)
+            conv = decode_rows(state["conv"], batch.state_slots)
+            y = causal_conv1d_update(bx, conv.state, weight, self.conv.bias, None, conv_state_indices=conv.indices)
+            write_back(state["conv"], batch.state_slots, conv)
         else:
 
             def step(start: int, end: int, carried: State | None) -> tuple[torch.Tensor, State]:
