@@ -55,12 +55,6 @@ KERNEL_CHOICES = ("auto", "reference", "triton", "native")
 CUDA_PATH_ENV = "HIMAMBA_CUDA_PATH"
 
 
-def cuda_path(t: Tensor) -> bool:
-    """Whether code that branches on CPU vs CUDA takes the CUDA branch for `t`: a CUDA tensor, or
-    any tensor when HIMAMBA_CUDA_PATH=1 (read per call, so a test can set it)."""
-    return t.is_cuda or os.environ.get(CUDA_PATH_ENV) == "1"
-
-
 @functools.cache
 def triton_installed() -> bool:
     """Whether triton can be imported (looked up once, without importing it)."""
@@ -86,11 +80,12 @@ def uses_triton(x: Tensor) -> bool:
     return mode != "reference" and triton_installed()
 
 
-def cuda_path(x: Tensor) -> bool:
-    """Whether code handling x takes the CUDA branch (no host syncs, no shapes read back from
-    device values): for CUDA tensors, and for CPU tensors under HIMAMBA_KERNELS=triton, so that
-    tests and benches run on CPU (with TRITON_INTERPRET=1) what a GPU would run."""
-    return x.is_cuda or kernels_mode() == "triton"
+def cuda_path(t: Tensor) -> bool:
+    """Whether code that branches on CPU vs CUDA takes the CUDA branch for `t` (no host syncs, no
+    shapes read back from device values, pool rows updated in place): a CUDA tensor; or any tensor
+    under HIMAMBA_KERNELS=triton (the twins are what a GPU runs) or HIMAMBA_CUDA_PATH=1 (read per
+    call, so a test can set it), so that a CPU process (with TRITON_INTERPRET=1) runs what a GPU would."""
+    return t.is_cuda or os.environ.get(CUDA_PATH_ENV) == "1" or kernels_mode() == "triton"
 
 
 def _native_built() -> bool:
