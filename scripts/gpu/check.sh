@@ -138,6 +138,11 @@ run_step() {  # name limit kind
             timeout -k 5 "$limit" $py -P "scripts/gpu/$name.py" --out "$figures" $flag >"$log" 2>&1 ;;
     esac
     rc=$?
+    if [[ "$name" == serve ]]; then
+        # What the served workers said of their graphs, warm-up and host copies (their logs are the tests' temp files).
+        grep -rhoE "CUDA graphs: .*|warm-up: .*|host pools pinned.*|host copies pageable.*" /tmp/pytest-of-*/ 2>/dev/null \
+            | sed -E 's/[0-9]+\.[0-9]+s/Ns/; s/[0-9]+ MiB/N MiB/' | sort | uniq -c > "$results/serve-server-lines.txt"
+    fi
     local line
     line=$($record "$name" "$kind" "$rc" "$((SECONDS - start))" "$limit" "$log" "$figures")
     echo "$line"
