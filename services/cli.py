@@ -227,6 +227,7 @@ def _bench(argv: list[str]) -> int:
         "multiturn": "himamba.services.bench.multiturn",
         "structured": "himamba.services.bench.structured",
         "serve-overhead": "himamba.services.bench.serve_overhead",
+        "launches": "himamba.services.bench.launches",
     }
     if not argv or argv[0] not in benches:
         print(f"usage: himamba bench {{{','.join(benches)}}} [options]", file=sys.stderr)

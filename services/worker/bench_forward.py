@@ -309,8 +309,16 @@ class OurEngine:
         while len(seq.pages) * self.page_size < length:
             seq.pages.append(self._free_pages.pop())
 
-    def step(self, mode: str, seqs: list[_Seq], new_tokens: list[list[int]], times: StepTimes) -> list[int]:
-        """Run one batch through the worker's path; record its timings; returns the sampled tokens."""
+    def step(
+        self,
+        mode: str,
+        seqs: list[_Seq],
+        new_tokens: list[list[int]],
+        times: StepTimes,
+        around: contextlib.AbstractContextManager | None = None,
+    ) -> list[int]:
+        """Run one batch through the worker's path; record its timings; returns the sampled tokens.
+        `around` wraps the worker's part (from the RunBatch on), e.g. bench launches' counter."""
         plans, ids, pages = [], [], []
         for s, toks in zip(seqs, new_tokens, strict=True):
             self._grow(s, s.length + len(toks))
@@ -345,7 +353,10 @@ class OurEngine:
         frames = [tensor_frame(ids_t), tensor_frame(pages_t)]
 
         # The worker's per-step thread choice; afterwards transformers (in this process) gets every thread.
-        with self.threads.step(len(ids)) if self.threads is not None else contextlib.nullcontext() as plan:
+        with (
+            self.threads.step(len(ids)) if self.threads is not None else contextlib.nullcontext() as plan,
+            around if around is not None else contextlib.nullcontext(),
+        ):
             t0 = time.perf_counter()
             with torch.inference_mode():
                 batch, states = build_forward_batch(msg, frames, self.tables, self.state.num_slots, self.device)

@@ -5,12 +5,17 @@ sequence's first step after admission, then the pages appended (decode, Extend) 
 (an Insert that found the prefix already cached) since its last step. The token-slot view of a
 table (what attention reads) is kept too and rewritten only from the first changed page, so a
 step costs what changed, not the context length.
+
+Every sequence's token slots are a row of one device tensor (`PageTables.table`, sglang's
+req_to_token), so a decode step's [B, max_len] slot table is one gather of B rows, whatever B is,
+instead of one copy per sequence. Rows and columns grow by doubling when the running sequences
+need more (rare, and amortised); a dropped sequence's row is reused.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,7 +33,6 @@ class SeqState:
     """What the worker remembers of one running sequence."""
 
     num_pages: int
-    slots: torch.Tensor  # token slots of its pages, [capacity * page_size] (valid: num_pages * page_size)
     sampling: SamplingParams
     penalties: PenaltyState | None
     num_prompt: int = 0  # context[:num_prompt] is the prompt
@@ -36,6 +40,14 @@ class SeqState:
     # chunk's first token (worker/logprobs.py).
     pending_prompt_row: torch.Tensor | None = None
     grammar: GrammarState | None = None  # structured outputs: the sequence's matcher
+    row: int = -1  # its row of `tables.table`, the token slots
+    tables: PageTables | None = field(default=None, repr=False)
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """Token slots of its pages (valid: the first num_pages * page_size), a view of its row."""
+        assert self.tables is not None
+        return self.tables.table[self.row]
 
     def token_slots(self, length: int) -> torch.Tensor:
         return self.slots[:length]
@@ -59,17 +71,45 @@ class PageTables:
         self.device = device
         self.seqs: dict[str, SeqState] = {}
         self._offsets = torch.arange(page_size, dtype=torch.int64, device=device)
+        self.table = torch.zeros((8, 8 * page_size), dtype=torch.int64, device=device)
+        self._free_rows = list(range(7, -1, -1))
 
     def __len__(self) -> int:
         return len(self.seqs)
 
     def drop(self, rids: list[str]) -> None:
         for rid in rids:
-            self.seqs.pop(rid, None)
+            state = self.seqs.pop(rid, None)
+            if state is not None:
+                self._free_rows.append(state.row)
 
     def clear(self) -> None:
         """A new scheduler: nothing it will send refers to an earlier one's sequences."""
         self.seqs.clear()
+        self._free_rows = list(range(self.table.shape[0] - 1, -1, -1))
+
+    def decode_table(self, states: list[SeqState], width: int) -> torch.Tensor:
+        """[B, width] token slots of `states`' rows: one gather (the row ids go to the device
+        without waiting for it)."""
+        rows = torch.tensor([st.row for st in states], dtype=torch.int64).to(self.device, non_blocking=True)
+        return self.table[:, :width].index_select(0, rows)
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            n = self.table.shape[0]
+            grown = torch.zeros((2 * n, self.table.shape[1]), dtype=torch.int64, device=self.device)
+            grown[:n] = self.table
+            self.table = grown
+            self._free_rows = list(range(2 * n - 1, n - 1, -1))
+        return self._free_rows.pop()
+
+    def _fit_columns(self, tokens: int) -> None:
+        cols = self.table.shape[1]
+        if tokens > cols:
+            width = max(tokens, 2 * cols)
+            grown = torch.zeros((self.table.shape[0], width), dtype=torch.int64, device=self.device)
+            grown[:, :cols] = self.table
+            self.table = grown
 
     def _grammar_state(self, plan: SeqPlan) -> GrammarState:
         """A fresh matcher, brought up to date with the outputs already in the cached context."""
@@ -101,11 +141,11 @@ class PageTables:
             if plan.sampling.penalised:
                 pen = PenaltyState(self.vocab_size, plan.num_prompt, self.device)
                 pen.feed(plan.history)
-            state = SeqState(
-                0, torch.empty(0, dtype=torch.int64, device=self.device), plan.sampling, pen, plan.num_prompt
-            )
-            if plan.sampling.grammar is not None:
-                state.grammar = self._grammar_state(plan)
+            grammar = self._grammar_state(plan) if plan.sampling.grammar is not None else None
+            old = self.seqs.pop(plan.rid, None)
+            if old is not None:  # a reset of a running sequence: its row is taken afresh
+                self._free_rows.append(old.row)
+            state = SeqState(0, plan.sampling, pen, plan.num_prompt, grammar=grammar, row=self._take_row(), tables=self)
             self.seqs[plan.rid] = state
         else:
             got = self.seqs.get(plan.rid)
@@ -118,11 +158,8 @@ class PageTables:
         if k:
             ps = self.page_size
             end = plan.page_start + k
-            if end * ps > state.slots.numel():
-                grown = torch.empty(max(end, 2 * state.num_pages) * ps, dtype=torch.int64, device=self.device)
-                grown[: state.num_pages * ps] = state.slots[: state.num_pages * ps]
-                state.slots = grown
-            state.slots[plan.page_start * ps : end * ps] = (new_pages.view(-1, 1) * ps + self._offsets).view(-1)
+            self._fit_columns(end * ps)
+            self.table[state.row, plan.page_start * ps : end * ps] = (new_pages.view(-1, 1) * ps + self._offsets).view(-1)
             state.num_pages = max(state.num_pages, end)
         if state.num_pages * self.page_size < plan.prefix_len + plan.new_len:
             raise WireError(f"{plan.rid}: {state.num_pages} pages cannot hold {plan.prefix_len + plan.new_len} tokens")

@@ -15,6 +15,7 @@ from himamba.common.messages import RunBatch, SeqPlan
 from himamba.common.wire import WireError, get_tensor
 from himamba.services.worker.forward_batch import Capture, ForwardBatch
 from himamba.services.worker.page_tables import PageTables, SeqState
+from himamba.services.worker.penalties import host_values
 
 
 def build_forward_batch(
@@ -57,7 +58,7 @@ def build_forward_batch(
         slots = state.token_slots(total)
         seq_slots.append(slots)
         write_slots.append(slots[s.prefix_len :])
-        positions.append(torch.arange(s.prefix_len, total, dtype=torch.int64, device=device))
+        positions.extend(range(s.prefix_len, total))
         if state.penalties is not None:
             state.penalties.feed(input_ids[tok : tok + s.new_len])
         if state.grammar is not None:
@@ -67,11 +68,12 @@ def build_forward_batch(
     batch = ForwardBatch(
         mode=plan.mode,  # type: ignore[arg-type]
         input_ids=input_ids,
-        positions=torch.cat(positions) if positions else input_ids.new_empty(0),
+        # Built on the host and copied once: a launch per sequence would make the step grow with the batch.
+        positions=host_values(positions, torch.int64, device),
         new_lens=[s.new_len for s in seqs],
         prefix_lens=[s.prefix_len for s in seqs],
         write_slots=torch.cat(write_slots) if write_slots else input_ids.new_empty(0),
-        state_slots=torch.tensor([s.state_slot for s in seqs], dtype=torch.int64, device=device),
+        state_slots=host_values([s.state_slot for s in seqs], torch.int64, device),
         # A capture at the very end is a copy of the final state: the worker does it after the forward.
         captures=[[Capture(off, slot) for off, slot in s.captures if off < s.new_len] for s in seqs],
     )
@@ -79,11 +81,8 @@ def build_forward_batch(
         batch.seq_slots = seq_slots
     else:
         lens = [s.prefix_len + 1 for s in seqs]
-        table = torch.zeros((len(seqs), max(lens)), dtype=torch.int64, device=device)
-        for i, slots in enumerate(seq_slots):
-            table[i, : slots.numel()] = slots
-        batch.slot_table = table
-        batch.seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
+        batch.slot_table = tables.decode_table(states, max(lens))  # one gather of the sequences' rows
+        batch.seq_lens = host_values(lens, torch.int64, device)
     return batch, states
 
 

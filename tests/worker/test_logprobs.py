@@ -17,7 +17,7 @@ V = 50
 
 def _state(num_prompt: int, prompt_logprobs: int | None) -> SeqState:
     sampling = SamplingParams(prompt_logprobs=prompt_logprobs)
-    return SeqState(0, torch.empty(0, dtype=torch.int64), sampling, None, num_prompt)
+    return SeqState(0, sampling, None, num_prompt)
 
 
 class _Seq:
