@@ -47,6 +47,7 @@ class Harness:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         scheduler.replies.update(REPLIES)
+        scheduler.failing.append("engine-fails")
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
@@ -260,6 +261,9 @@ def test_reasoning_is_split_into_a_reasoning_item(client: openai.OpenAI, harness
         ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice", "tool_choice"),
         ({"input": "x", "tool_choice": "required"}, "tool_choice", "needs tools"),
         ({}, "input", "input is required"),
+        ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16 pairs"),
+        ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata", "values at most 512"),
+        ({"input": "x", "stream_options": {"include_usage": True}}, "stream_options", "include_usage"),
         ({"input": "x", "max_output_tokens": "many"}, "max_output_tokens", "Expected `int | null`"),
     ],
 )
@@ -410,3 +414,17 @@ def test_streamed_incomplete_ends_with_response_incomplete(harness: Harness):
     events = harness.sse({"input": "anything", "max_output_tokens": 3})
     assert _names(events)[-1] == "response.incomplete"
     assert events[-1][1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_engine_failure_is_an_error_status(harness: Harness):
+    r = harness.request("POST", "/v1/responses", {"input": "engine-fails whole"})
+    assert r.status == 500 and "boom" in r.json()["error"]["message"]
+
+
+def test_streamed_engine_failure_ends_with_response_failed(harness: Harness):
+    events = harness.sse({"input": "engine-fails streamed"})
+    assert _names(events)[:2] == ["response.created", "response.in_progress"]
+    assert _names(events)[-2:] == ["error", "response.failed"]
+    assert "boom" in events[-2][1]["message"]
+    failed = events[-1][1]["response"]
+    assert failed["status"] == "failed" and "boom" in failed["error"]["message"]

@@ -23,6 +23,12 @@ from himamba.services.tokenizer.http.bodies import ChatBody
 from himamba.services.tokenizer.http.errors import ApiError
 
 
+class ResponsesStreamOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`stream_options` of /v1/responses."""
+
+    include_obfuscation: bool = True  # OpenAI pads events against side channels; accepted without effect
+
+
 class ResponsesBody(msgspec.Struct, frozen=True, kw_only=True):
     """POST /v1/responses. Items and tools stay plain JSON: they are checked item by item below."""
 
@@ -41,7 +47,7 @@ class ResponsesBody(msgspec.Struct, frozen=True, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     reasoning: dict[str, Any] | None = None  # effort / summary: accepted without effect
-    stream_options: dict[str, bool] | None = None  # include_obfuscation: accepted without effect
+    stream_options: ResponsesStreamOptions | None = None
     # known, refused unless at the value that means what we do
     background: bool = False
     truncation: Literal["disabled", "auto"] = "disabled"
@@ -88,6 +94,24 @@ def check_refused(body: ResponsesBody) -> None:
             raise ApiError(400, message, param=param)
     if body.input is None and body.previous_response_id is None:
         raise ApiError(400, "input is required", param="input")
+    _check_metadata(body.metadata or {})
+
+
+# OpenAI's limits on metadata
+_METADATA_PAIRS, _METADATA_KEY_CHARS, _METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def _check_metadata(metadata: dict[str, str]) -> None:
+    if len(metadata) > _METADATA_PAIRS:
+        raise ApiError(400, f"metadata holds at most {_METADATA_PAIRS} pairs, got {len(metadata)}", param="metadata")
+    for key, value in metadata.items():
+        if len(key) > _METADATA_KEY_CHARS or len(value) > _METADATA_VALUE_CHARS:
+            raise ApiError(
+                400,
+                f"metadata {key[:_METADATA_KEY_CHARS]!r}: keys are at most {_METADATA_KEY_CHARS} characters, values "
+                f"at most {_METADATA_VALUE_CHARS}",
+                param="metadata",
+            )
 
 
 def _item_text(content: Any, where: str) -> str:

@@ -200,9 +200,11 @@ class ResponsesRoutes:
             reply = first if first is not None else await stream.next()
             while True:
                 if isinstance(reply, ErrorReply):
-                    # Headers are gone already: the error travels as an event, as OpenAI's.
-                    err = reply_error(reply).body()["error"]
-                    await out.write(_sse(output.event("error", **err)))
+                    # Headers are gone already: the error travels as events, as OpenAI's.
+                    err = reply_error(reply)
+                    await out.write(_sse(output.event("error", code=err.code, message=err.message, param=err.param)))
+                    response.update(status="failed", error={"code": err.code or "server_error", "message": err.message})
+                    await out.write(_sse(output.event("response.failed", response=response)))
                     break
                 for event in answer.feed(reply):
                     await out.write(_sse(event))
