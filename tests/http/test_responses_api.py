@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import http.client
 import json
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 from tokenizers import Tokenizer
 
-from himamba.common.messages import AddRequest
+from himamba.common.messages import AbortRequest, AddRequest
 from himamba.common.types import CachedTokens
 from tests.http.test_tools_api import WEATHER as CHAT_WEATHER
 from tests.http_request import free_port, http_request
@@ -48,6 +51,7 @@ class Harness:
         self.tokenizer = tokenizer
         scheduler.replies.update(REPLIES)
         scheduler.failing.append("engine-fails")
+        scheduler.holding.append("never-ends")
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
@@ -78,23 +82,31 @@ class Harness:
         return events
 
 
-@pytest.fixture(scope="module")
-def harness(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer: Tokenizer) -> Iterator[Harness]:
-    tok_cfg = {"eos_token": "<|endoftext|>", "chat_template": TEMPLATE}
-    model_dir = write_model_dir(tmp_path_factory.mktemp("responses-model"), demo_tokenizer, tok_cfg)
+@contextmanager
+def _serving(tmp: Path, tokenizer: Tokenizer, **http: Any) -> Iterator[Harness]:
+    """A TokenizerService on TEMPLATE with a fake scheduler; `http` adds to its HTTP config."""
+    model_dir = write_model_dir(tmp, tokenizer, {"eos_token": "<|endoftext|>", "chat_template": TEMPLATE})
     cfg = service_config(
         model_dir,
         1024,
         model={"served_model_name": "fake-model"},
         scheduler={"default_max_tokens": 200},
-        http={"port": free_port(), "api_key": KEY, "tool_call_parser": "hermes", "reasoning_parser": "qwen3"},
+        http={"port": free_port(), "api_key": KEY, **http},
     )
-    scheduler = FakeScheduler(cfg, demo_tokenizer, "plain answer text", CACHED)
+    scheduler = FakeScheduler(cfg, tokenizer, "plain answer text", CACHED)
     try:
         with running_service(cfg):
-            yield Harness(cfg.http.port, scheduler, demo_tokenizer)
+            yield Harness(cfg.http.port, scheduler, tokenizer)
     finally:
         scheduler.close()
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer: Tokenizer) -> Iterator[Harness]:
+    with _serving(
+        tmp_path_factory.mktemp("responses-model"), demo_tokenizer, tool_call_parser="hermes", reasoning_parser="qwen3"
+    ) as h:
+        yield h
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +261,8 @@ def test_reasoning_is_split_into_a_reasoning_item(client: openai.OpenAI, harness
     [
         ({"input": "x", "frobnicate": 1}, "frobnicate", "Unrecognized request argument supplied: frobnicate"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "'web_search' is not supported"),
-        ({"input": "x", "background": True}, "background", "background responses are not supported"),
+        ({"input": "x", "background": True, "store": False}, "background", "need store: true"),
+        ({"input": "x", "background": True, "stream": True}, "stream", "not streamed"),
         ({"input": "x", "truncation": "auto"}, "truncation", "truncation"),
         ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include", "include is not supported"),
         ({"input": "x", "conversation": "conv_1"}, "conversation", "previous_response_id"),
@@ -428,3 +441,74 @@ def test_streamed_engine_failure_ends_with_response_failed(harness: Harness):
     assert "boom" in events[-2][1]["message"]
     failed = events[-1][1]["response"]
     assert failed["status"] == "failed" and "boom" in failed["error"]["message"]
+
+
+# ---------------------------------------------------------------- step 4: background, cancel
+
+
+def _poll(client: openai.OpenAI, response_id: str, until: set[str]) -> Any:
+    for _ in range(500):
+        out = client.responses.retrieve(response_id)
+        if out.status in until:
+            return out
+        time.sleep(0.02)
+    raise AssertionError(f"{response_id} never reached {until}: {out.status}")
+
+
+def test_background_response_completes_and_is_read_by_get(client: openai.OpenAI):
+    out = client.responses.create(model="fake-model", input="short-one background", background=True)
+    assert out.background is True and out.status == "queued" and out.output == []
+    done = _poll(client, out.id, {"completed"})
+    assert done.output_text == "Done." and done.usage is not None and done.background is True
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.cancel(out.id)
+    assert "it is completed" in str(e.value)
+
+
+def test_cancel_stops_a_running_background_response(client: openai.OpenAI, harness: Harness):
+    out = client.responses.create(model="fake-model", input="never-ends background", background=True)
+    add = harness.add_request("never-ends background")
+    assert add.rid.endswith(":" + out.id)  # the front door prefixes its client id
+    assert client.responses.retrieve(out.id).status in ("queued", "in_progress")
+    cancelled = client.responses.cancel(out.id)
+    assert cancelled.status == "cancelled" and cancelled.id == out.id
+    harness.scheduler.wait_for(lambda m: isinstance(m, AbortRequest) and m.rid == add.rid)
+    assert client.responses.retrieve(out.id).status == "cancelled"
+    assert client.responses.cancel(out.id).status == "cancelled"  # again: the same answer
+    # a cancelled turn (no output) can still be continued (in the background: the prompt holds again)
+    after = client.responses.create(model="fake-model", input="next turn", previous_response_id=out.id, background=True)
+    assert harness.prompt_of("next turn") == (
+        "<|user|>\nnever-ends background<|endoftext|>\n<|user|>\nnext turn<|endoftext|>\n<|assistant|>\n"
+    )
+    client.responses.cancel(after.id)
+
+
+def test_cancel_refusals(client: openai.OpenAI, harness: Harness):
+    out = client.responses.create(model="fake-model", input="short-one foreground")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.cancel(out.id)
+    assert "only background responses" in str(e.value)
+    r = harness.request("POST", "/v1/responses/resp_nope/cancel")
+    assert r.status == 404 and "resp_nope" in r.json()["error"]["message"]
+
+
+def test_continuing_a_running_response_is_refused(client: openai.OpenAI, harness: Harness):
+    out = client.responses.create(model="fake-model", input="never-ends again", background=True)
+    r = harness.request("POST", "/v1/responses", {"input": "x", "previous_response_id": out.id})
+    assert r.status == 400 and "is still" in r.json()["error"]["message"]
+    client.responses.cancel(out.id)
+
+
+@pytest.fixture(scope="module")
+def storeless(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer: Tokenizer) -> Iterator[Harness]:
+    """A server that keeps no responses (--responses-store-max 0)."""
+    with _serving(tmp_path_factory.mktemp("storeless-model"), demo_tokenizer, responses_store_max=0) as h:
+        yield h
+
+
+def test_a_server_that_stores_nothing(storeless: Harness):
+    r = storeless.request("POST", "/v1/responses", {"input": "short-one"})
+    assert r.status == 200 and r.json()["store"] is False
+    assert storeless.request("GET", f"/v1/responses/{r.json()['id']}").status == 404
+    r = storeless.request("POST", "/v1/responses", {"input": "short-one", "background": True})
+    assert r.status == 400 and "--responses-store-max is 0" in r.json()["error"]["message"]

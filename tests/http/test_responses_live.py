@@ -5,6 +5,7 @@ a conversation continued by `previous_response_id` served from the prefix cache,
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -107,3 +108,14 @@ def test_stream_helper_agrees_with_the_stored_response(client: openai.OpenAI, mo
     assert "".join(deltas) == final.output_text
     jsonschema.validate(json.loads(final.output_text), ANSWER)
     assert client.responses.retrieve(final.id).output_text == final.output_text
+
+
+def test_background_response_completes(client: openai.OpenAI, model: str):
+    out = client.responses.create(model=model, input="Say hello", max_output_tokens=4, temperature=0, background=True)
+    assert out.status == "queued"
+    for _ in range(1000):
+        done = client.responses.retrieve(out.id)
+        if done.status not in ("queued", "in_progress"):
+            break
+        time.sleep(0.05)
+    assert done.status == "incomplete" and done.usage is not None and done.usage.output_tokens == 4

@@ -8,8 +8,7 @@ shapes, `text.format` the chat `response_format`. Everything after that (templat
 grammar, sampling, parsers) is the chat endpoint's own code.
 
 Refused with a 400 naming the field, because nothing here would do what they ask: built-in tools
-(web_search, file_search, ...), `background` (a response runs while its request is open),
-`conversation` and `prompt` (OpenAI-hosted objects), `include` entries, `top_logprobs`,
+(web_search, file_search, ...), `conversation` and `prompt` (OpenAI-hosted objects), `include` entries, `top_logprobs`,
 `max_tool_calls`, `truncation: "auto"` (a prompt too long is a 400), images and files.
 """
 
@@ -48,8 +47,8 @@ class ResponsesBody(msgspec.Struct, frozen=True, kw_only=True):
     parallel_tool_calls: bool = True
     reasoning: dict[str, Any] | None = None  # effort / summary: accepted without effect
     stream_options: ResponsesStreamOptions | None = None
-    # known, refused unless at the value that means what we do
     background: bool = False
+    # known, refused unless at the value that means what we do
     truncation: Literal["disabled", "auto"] = "disabled"
     include: list[str] | None = None
     top_logprobs: int | None = None
@@ -73,7 +72,6 @@ _FUNCTION_TOOL_FIELDS = {"type", "name", "description", "parameters", "strict"}
 def check_refused(body: ResponsesBody) -> None:
     """A 400 naming the first field asked for that this server does not do."""
     refusals = (
-        (body.background, "background", "background responses are not supported: the request runs while it is open"),
         (body.truncation == "auto", "truncation", 'truncation "auto" is not supported: a prompt too long is a 400'),
         (bool(body.include), "include", "include is not supported: no extra output data is available"),
         (bool(body.top_logprobs), "top_logprobs", "top_logprobs is not supported on /v1/responses"),
@@ -89,6 +87,10 @@ def check_refused(body: ResponsesBody) -> None:
         ),
         (body.prompt is not None, "prompt", "prompt templates are not supported: send input and instructions"),
     )
+    if body.background and not body.store:
+        raise ApiError(400, "background responses need store: true (they are read by GET)", param="background")
+    if body.background and body.stream:
+        raise ApiError(400, "background responses are not streamed: poll GET /v1/responses/{id}", param="stream")
     for refused, param, message in refusals:
         if refused:
             raise ApiError(400, message, param=param)

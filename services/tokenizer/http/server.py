@@ -201,6 +201,7 @@ class HttpServer:
         return f"http://{self.cfg.host}:{self.cfg.port}"
 
     async def stop(self) -> None:
+        await self.responses.close()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
