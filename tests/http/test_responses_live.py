@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from tests.http.test_tools_live import WEATHER as CHAT_WEATHER
@@ -119,3 +120,15 @@ def test_background_response_completes(client: openai.OpenAI, model: str):
             break
         time.sleep(0.05)
     assert done.status == "incomplete" and done.usage is not None and done.usage.output_tokens == 4
+
+
+class Verdict(pydantic.BaseModel):
+    answer: Literal["yes", "no"]
+    score: Literal[1, 2]
+
+
+def test_parse_with_a_pydantic_text_format(client: openai.OpenAI, model: str):
+    out = client.responses.parse(
+        model=model, input="Yes or no?", text_format=Verdict, temperature=0, max_output_tokens=60
+    )
+    assert isinstance(out.output_parsed, Verdict)
