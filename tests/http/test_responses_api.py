@@ -483,6 +483,15 @@ def test_cancel_stops_a_running_background_response(client: openai.OpenAI, harne
     client.responses.cancel(after.id)
 
 
+def test_delete_stops_a_running_background_response(client: openai.OpenAI, harness: Harness):
+    out = client.responses.create(model="fake-model", input="never-ends deleted", background=True)
+    add = harness.add_request("never-ends deleted")
+    client.responses.delete(out.id)
+    harness.scheduler.wait_for(lambda m: isinstance(m, AbortRequest) and m.rid == add.rid)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(out.id)
+
+
 def test_cancel_refusals(client: openai.OpenAI, harness: Harness):
     out = client.responses.create(model="fake-model", input="short-one foreground")
     with pytest.raises(openai.BadRequestError) as e:

@@ -104,15 +104,22 @@ class ResponsesRoutes:
         if tasks:
             await asyncio.wait(tasks)
 
+    async def _stop(self, response_id: str) -> bool:
+        """Cancel a running background response and wait until its engine request is aborted;
+        False when none runs under that id."""
+        task = self._background.get(response_id)
+        if task is None:
+            return False
+        task.cancel()
+        await asyncio.wait({task})
+        return True
+
     async def cancel(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
         found = self.store.get(response_id)
-        task = self._background.get(response_id)
-        if found is None and task is None:
+        if found is None and response_id not in self._background:
             raise _not_found(response_id)
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task})  # its stream closed: the engine request aborted
+        if await self._stop(response_id):
             found = self.store.get(response_id)
         if found is None:  # dropped from the store (its budget) since
             raise _not_found(response_id)
@@ -134,7 +141,8 @@ class ResponsesRoutes:
 
     async def delete(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
-        if not self.store.delete(response_id):
+        running = await self._stop(response_id)  # else its end would store it again
+        if not self.store.delete(response_id) and not running:
             raise _not_found(response_id)
         return _json({"id": response_id, "object": "response", "deleted": True})
 
