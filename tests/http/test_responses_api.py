@@ -348,6 +348,37 @@ def test_previous_tool_call_is_continued_by_its_output(client: openai.OpenAI, ha
     )
 
 
+def test_input_items_list_the_whole_conversation(client: openai.OpenAI, harness: Harness):
+    first = client.responses.create(model="fake-model", input="listed-one short-one")
+    second = client.responses.create(
+        model="fake-model", previous_response_id=first.id,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "listed-two"}]}],
+    )  # fmt: skip
+    items = list(client.responses.input_items.list(second.id, order="asc"))
+    assert [i.type for i in items] == ["message", "message", "message"]
+    assert [(i.role, i.content[0].type, i.content[0].text) for i in items] == [
+        ("user", "input_text", "listed-one short-one"),
+        ("assistant", "output_text", "Done."),
+        ("user", "input_text", "listed-two"),
+    ]
+    assert items[1].id == first.output[0].id and all(i.id for i in items)
+    newest = client.responses.input_items.list(second.id, limit=2)  # desc by default
+    assert [i.id for i in newest.data] == [items[2].id, items[1].id] and newest.has_more
+    rest = client.responses.input_items.list(second.id, limit=2, after=items[1].id)
+    assert [i.id for i in rest.data] == [items[0].id] and not rest.has_more
+    assert [i.id for i in client.responses.input_items.list(first.id)] == [items[0].id]
+
+
+@pytest.mark.parametrize(
+    ("query", "param"), [("limit=0", "limit"), ("order=up", "order"), ("after=nope", "after"), ("page=2", "page")]
+)
+def test_input_items_bad_queries(client: openai.OpenAI, harness: Harness, query: str, param: str):
+    out = client.responses.create(model="fake-model", input="short-one queried")
+    r = harness.request("GET", f"/v1/responses/{out.id}/input_items?{query}")
+    assert r.status in (400, 404) and r.json()["error"]["param"] == param, r.body
+    assert harness.request("GET", "/v1/responses/resp_nope/input_items").status == 404
+
+
 def test_unknown_previous_response_id_is_404(harness: Harness):
     r = harness.request("POST", "/v1/responses", {"input": "x", "previous_response_id": "resp_nope"})
     assert r.status == 404

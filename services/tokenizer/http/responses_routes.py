@@ -35,6 +35,7 @@ from himamba.services.tokenizer.http.responses_body import (
     chat_messages_of_items,
     check_refused,
     input_items,
+    item_page,
 )
 from himamba.services.tokenizer.http.responses_output import ResponseOutput, item_id, responses_usage
 from himamba.services.tokenizer.local_clients import ReplyStream
@@ -95,6 +96,7 @@ class ResponsesRoutes:
         router.add_get("/v1/responses/{response_id}", self.retrieve)
         router.add_delete("/v1/responses/{response_id}", self.delete)
         router.add_post("/v1/responses/{response_id}/cancel", self.cancel)
+        router.add_get("/v1/responses/{response_id}/input_items", self.input_items)
 
     async def close(self) -> None:
         """Cancel the background responses still running (the server stops)."""
@@ -139,6 +141,16 @@ class ResponsesRoutes:
             raise _not_found(response_id)
         return _json(found.response)
 
+    async def input_items(self, request: web.Request) -> web.Response:
+        """The items a response was given (earlier turns' included), a page at a time as OpenAI's:
+        `order` (desc, the default, or asc), `limit` (1 to 100, default 20), `after` (an item id)."""
+        response_id = request.match_info["response_id"]
+        found = self.store.get(response_id)
+        if found is None:
+            raise _not_found(response_id)
+        page = item_page(found.inputs, request.query)
+        return _json(page)
+
     async def delete(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
         running = await self._stop(response_id)  # else its end would store it again
@@ -168,7 +180,7 @@ class ResponsesRoutes:
                     400, f"previous response {body.previous_response_id} is still {previous.response['status']}",
                     param="previous_response_id",
                 )  # fmt: skip
-            items = list(previous.items)
+            items = previous.conversation
         new_items = input_items(body.input)
         conversation = items + new_items
         response_id = item_id("resp")
@@ -268,7 +280,7 @@ class ResponsesRoutes:
             tokens = len(self.server.door.tokenizer.encode(reasoning, add_special_tokens=False).ids) if reasoning else 0
             response["usage"] = responses_usage(chunk.usage, tokens)
         if response["store"]:
-            response["store"] = self.store.put(response["id"], response, conversation + answer.output.items)
+            response["store"] = self.store.put(response["id"], response, conversation)
 
     async def _stream(
         self,
