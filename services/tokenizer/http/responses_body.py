@@ -8,13 +8,13 @@ shapes, `text.format` the chat `response_format`. Everything after that (templat
 grammar, sampling, parsers) is the chat endpoint's own code.
 
 Refused with a 400 naming the field, because nothing here would do what they ask: built-in tools
-(web_search, file_search, ...), `conversation` and `prompt` (OpenAI-hosted objects), `include` entries, `top_logprobs`,
-`max_tool_calls`, `truncation: "auto"` (a prompt too long is a 400), images and files.
+(web_search, file_search, ...), `conversation` and `prompt` (OpenAI-hosted objects), `include`
+entries, `top_logprobs`, `max_tool_calls`, `truncation: "auto"` (a prompt too long is a 400),
+images and files.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Literal
 
 import msgspec
@@ -158,49 +158,6 @@ def input_items(value: str | list[dict[str, Any]] | None) -> list[dict[str, Any]
         kind = item.get("type", "message" if "role" in item else "item")
         out.append({**item, "id": item.get("id") or item_id(_ID_PREFIXES.get(kind, "item"))})
     return out
-
-
-def _listed(item: dict[str, Any]) -> dict[str, Any]:
-    # As OpenAI lists them: typed, and message text as content parts.
-    out = {"type": "message", **item} if "type" not in item else dict(item)
-    if out["type"] == "message" and isinstance(out.get("content"), str):
-        part = "output_text" if out.get("role") == "assistant" else "input_text"
-        out["content"] = [{"type": part, "text": out["content"]}]
-    return out
-
-
-_PAGE_LIMIT = 100
-
-
-def item_page(items: list[dict[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:
-    """One page of `items` as OpenAI's list: `order` asc/desc (default), `limit` 1..100 (default
-    20), `after` the id of the item before the page; a 400 naming a bad parameter."""
-    unknown = sorted(set(query) - {"order", "limit", "after", "include"})
-    if unknown:
-        raise ApiError(400, f"Unrecognized query parameter: {unknown[0]}", param=unknown[0])
-    if query.get("include"):
-        raise ApiError(400, "include is not supported: no extra item data is available", param="include")
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise ApiError(400, f"order must be asc or desc, got {order!r}", param="order")
-    limit_text = query.get("limit", "20")
-    if not limit_text.isdigit() or not 1 <= int(limit_text) <= _PAGE_LIMIT:
-        raise ApiError(400, f"limit must be an integer in [1, {_PAGE_LIMIT}], got {limit_text!r}", param="limit")
-    ordered = items if order == "asc" else items[::-1]
-    start = 0
-    if "after" in query:
-        ids = [item.get("id") for item in ordered]
-        if query["after"] not in ids:
-            raise ApiError(404, f"Item with id '{query['after']}' not found.", param="after", code="not_found")
-        start = ids.index(query["after"]) + 1
-    page = [_listed(item) for item in ordered[start : start + int(limit_text)]]
-    return {
-        "object": "list",
-        "data": page,
-        "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None,
-        "has_more": start + len(page) < len(ordered),
-    }
 
 
 def chat_messages_of_items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -28,6 +28,7 @@ from himamba.common.messages import ErrorReply, GenerateChunk
 from himamba.services.tokenizer.http.bodies import decode_body
 from himamba.services.tokenizer.http.connections import read_body
 from himamba.services.tokenizer.http.errors import ApiError, reply_error
+from himamba.services.tokenizer.http.response_item_pages import item_page
 from himamba.services.tokenizer.http.response_store import ResponseStore
 from himamba.services.tokenizer.http.responses_body import (
     ResponsesBody,
@@ -35,7 +36,6 @@ from himamba.services.tokenizer.http.responses_body import (
     chat_messages_of_items,
     check_refused,
     input_items,
-    item_page,
 )
 from himamba.services.tokenizer.http.responses_output import ResponseOutput, item_id, responses_usage
 from himamba.services.tokenizer.local_clients import ReplyStream
