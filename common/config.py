@@ -424,6 +424,17 @@ class HttpConfig(_Section):
             "qwen3 when the chat template mentions <think>; none: the thinking stays in the content."
         ),
     ] = "none"
+    responses_store_max: Annotated[
+        NonNegInt,
+        doc(
+            "Responses (/v1/responses with store: true) kept for previous_response_id and GET, at most; the least "
+            "recently used go first; 0: none is kept (the response says store: false)."
+        ),
+    ] = 1000
+    responses_store_mib: Annotated[
+        NonNegInt,
+        doc("The stored responses' size budget in MiB (their JSON); beyond it the least recently used go first."),
+    ] = 64
 
 
 class MetricsConfig(_Section):

@@ -116,6 +116,8 @@ class FakeScheduler:
         self.encoder = msgspec.msgpack.Encoder()
         self.received: list[Any] = []
         self.replies: dict[str, str] = {}  # prompt substring -> the model's scripted answer
+        self.failing: list[str] = []  # prompt substrings answered with TokenOut.error, as "error..." is
+        self.holding: list[str] = []  # prompt substrings held unfinished, as "hold..." is
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -129,10 +131,10 @@ class FakeScheduler:
         n_prompt = len(req.input_ids)
         if prompt.startswith("silent"):
             return
-        if prompt.startswith("error"):
+        if prompt.startswith("error") or any(key in prompt for key in self.failing):
             self._send([TokenOut(rid=req.rid, token_ids=[], error="boom", prompt_tokens=n_prompt)])
             return
-        hold = prompt.startswith("hold")
+        hold = prompt.startswith("hold") or any(key in prompt for key in self.holding)
         ids = self.reply_ids[:2] if hold else self.reply_ids[: req.max_tokens]
         finish = "length"
         scripted = [text for key, text in self.replies.items() if key in prompt]

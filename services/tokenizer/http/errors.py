@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from himamba.common.messages import ErrorReply
+
 _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
@@ -15,6 +17,9 @@ _TYPES = {
     500: "server_error",
     503: "server_error",
 }
+
+
+_KNOWN_STATUS = {400, 404, 409, 500, 503}  # engine refusals passed on as they are; others: 500
 
 
 class ApiError(Exception):
@@ -38,3 +43,10 @@ def param_of_message(message: str) -> str | None:
     if head and head.replace("_", "").isalnum() and head.islower():
         return head
     return None
+
+
+def reply_error(reply: ErrorReply) -> ApiError:
+    """The HTTP error of an engine refusal or failure."""
+    status = reply.code if reply.code in _KNOWN_STATUS else 500
+    param = param_of_message(reply.message) if status == 400 else None
+    return ApiError(status, reply.message, param=param)

@@ -7,7 +7,8 @@ Every generation goes through the front door's own request path (`FrontDoor.open
 HTTP and ZeroMQ clients behave the same; a client that disconnects aborts its request.
 Errors use OpenAI's shape. With an API key set, every route requires `Authorization: Bearer <key>`
 except /health and /metrics (probes and scrapers carry no key); two such headers are a 400.
-sglang's native routes (/generate, /server_info, /flush_cache, ...) are in sglang_routes.py.
+sglang's native routes (/generate, /server_info, /flush_cache, ...) are in sglang_routes.py, OpenAI's
+Responses API (/v1/responses) in responses_routes.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import logging
 import time
 import traceback
 import uuid
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 import msgspec
 from aiohttp import web
@@ -51,8 +53,10 @@ from himamba.services.tokenizer.http.connections import (
     read_body,
 )
 from himamba.services.tokenizer.http.cors import Cors
-from himamba.services.tokenizer.http.errors import ApiError, param_of_message
+from himamba.services.tokenizer.http.errors import ApiError, reply_error
+from himamba.services.tokenizer.http.logprobs_json import LogprobsAsk
 from himamba.services.tokenizer.http.responses import Kind, ResponseBuilder
+from himamba.services.tokenizer.http.responses_routes import ResponsesRoutes
 from himamba.services.tokenizer.http.sglang_routes import ROUTES as SGLANG_ROUTES
 from himamba.services.tokenizer.http.sglang_routes import SglangRoutes
 from himamba.services.tokenizer.http.tokenize_routes import (
@@ -65,10 +69,12 @@ from himamba.services.tokenizer.http.tokenize_routes import (
 )
 from himamba.services.tokenizer.local_clients import ReplyStream
 from himamba.services.tokenizer.peers import Readiness
+from himamba.services.tokenizer.tool_parsers.streaming import AnswerShaper
 
 _ROUTES = {
     "/v1/completions": "completions",
     "/v1/chat/completions": "chat_completions",
+    "/v1/responses": "responses",
     "/v1/models": "models",
     "/health": "health",
     "/metrics": "metrics",
@@ -79,7 +85,6 @@ _ROUTES = {
 }
 # Open without the API key: probes and scrapers carry none.
 _OPEN_ROUTES = ("/health", "/metrics")
-_KNOWN_STATUS = {400, 404, 409, 500, 503}
 _BYTES_PER_CONTEXT_TOKEN = 64  # body size limit: generous for text or JSON token ids of a full context
 _SHUTDOWN_TIMEOUT_S = 2.0
 # --access-log: client, request line, status, bytes, seconds, user agent (the log line has the time).
@@ -111,14 +116,17 @@ def _error_response(err: ApiError) -> web.Response:
     return _json(err.body(), err.status)
 
 
-def _reply_error(reply: ErrorReply) -> ApiError:
-    status = reply.code if reply.code in _KNOWN_STATUS else 500
-    param = param_of_message(reply.message) if status == 400 else None
-    return ApiError(status, reply.message, param=param)
-
-
 def _sse(obj: Any) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+class ChatRequest(NamedTuple):
+    """A chat body made into a request: what to generate, the logprobs it asks for, and the
+    maker of its answer shaper (None: the answer is plain content)."""
+
+    req: GenerateRequest
+    ask: LogprobsAsk
+    shaping: Callable[[], AnswerShaper] | None
 
 
 class _Runner(web.AppRunner):
@@ -158,6 +166,8 @@ class HttpServer:
         self.app.router.add_get("/version", self.version)
         Cors(cfg.allowed_origins).install(self.app)
         SglangRoutes(door).add_routes(self.app.router)  # type: ignore[arg-type]  # door is the TokenizerService
+        self.responses = ResponsesRoutes(self)  # /v1/responses (responses_routes.py)
+        self.responses.add_routes(self.app.router)
         self._runner: web.AppRunner | None = None
         self.port = cfg.port
         self.guard = ConnectionGuard(connection_cap(cfg.max_connections), cfg.request_timeout_s, log)
@@ -191,6 +201,7 @@ class HttpServer:
         return f"http://{self.cfg.host}:{self.cfg.port}"
 
     async def stop(self) -> None:
+        await self.responses.close()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -314,7 +325,7 @@ class HttpServer:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         if len(reqs) == 1:
             return await self._serve(request, reqs[0], builders[0], include_usage)
-        batch = BatchedCompletion(reqs, builders, self.door.open_stream, _reply_error)
+        batch = BatchedCompletion(reqs, builders, self.door.open_stream, reply_error)
         return await self._serve_batch(request, batch, include_usage)
 
     def _echo_text(self, prompt: CompletionPrompt) -> str:
@@ -328,7 +339,7 @@ class HttpServer:
         try:
             await batch.open()
             if not batch.reqs[0].stream:
-                return _json(await batch.whole(self._whole_chunks))
+                return _json(await batch.whole(self.whole_chunks))
             response = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             )
@@ -344,6 +355,17 @@ class HttpServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body, _ = decode_body(await read_body(request, self.cfg.body_timeout_s), ChatBody)
         self._check_model(body.model)
+        chat = self.chat_request(body, f"chatcmpl-{uuid.uuid4().hex}")
+        builder = self._builder(
+            "chat", chat.req.rid, body.return_token_ids, body.logprobs, chat.req.input_ids, body.n,
+            ask=chat.ask, tokens_as_ids=body.return_tokens_as_token_ids, shaping=chat.shaping,
+        )  # fmt: skip
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return await self._serve(request, chat.req, builder, include_usage)
+
+    def chat_request(self, body: ChatBody, rid: str) -> ChatRequest:
+        """A chat body checked, rendered by the chat template and tokenized (the Responses API
+        builds its requests here too)."""
         messages = chat_messages(body)
         ask = chat_logprobs_ask(body)
         parsing = self._chat_parsing(self.door.chat_template)
@@ -363,21 +385,15 @@ class HttpServer:
         if not input_ids:
             raise ApiError(400, "the chat template rendered an empty prompt", param="messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
         req = GenerateRequest(
-            rid=response_id,
+            rid=rid,
             input_ids=input_ids,
             sampling=parsing.constrain(
                 sampling_of(body, max_tokens, body.logprobs, self.door.sampling_defaults.values(), ask), plan
             ),
             stream=body.stream,
         )
-        builder = self._builder(
-            "chat", response_id, body.return_token_ids, body.logprobs, input_ids, body.n,
-            ask=ask, tokens_as_ids=body.return_tokens_as_token_ids, shaping=parsing.shaping(plan, body.tools, text),
-        )  # fmt: skip
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return await self._serve(request, req, builder, include_usage)
+        return ChatRequest(req, ask, parsing.shaping(plan, body.tools, text))
 
     def _chat_parsing(self, template: ChatTemplate | None) -> ChatParsing:
         # Recomputed when the template is replaced in a running front door.
@@ -422,20 +438,20 @@ class HttpServer:
             # Refusals (validation, prompt too long) are answered at once: a plain error status.
             first = stream.ready_nowait()
             if isinstance(first, ErrorReply):
-                raise _reply_error(first)
+                raise reply_error(first)
             if not req.stream:
-                return _json(builder.whole(await self._whole_chunks(stream, first, req.sampling.n)))
+                return _json(builder.whole(await self.whole_chunks(stream, first, req.sampling.n)))
             return await self._stream(request, stream, first, builder, include_usage)
         finally:
             await stream.close()
 
-    async def _whole_chunks(self, stream: ReplyStream, first: GenerateChunk | None, n: int) -> list[GenerateChunk]:
+    async def whole_chunks(self, stream: ReplyStream, first: GenerateChunk | None, n: int) -> list[GenerateChunk]:
         """The one finished chunk of each of the `n` samples of a stream=False request."""
         chunks: list[GenerateChunk] = []
         reply: ErrorReply | GenerateChunk = first if first is not None else await stream.next()
         while True:
             if isinstance(reply, ErrorReply):
-                raise _reply_error(reply)
+                raise reply_error(reply)
             assert reply.finished, "a stream=False request has one, finished, chunk per sample"
             chunks.append(reply)
             if len(chunks) == n:
@@ -474,7 +490,7 @@ class HttpServer:
         while True:
             if isinstance(reply, ErrorReply):
                 # Headers are gone already: the error travels as an event, as OpenAI does.
-                await response.write(_sse(_reply_error(reply).body()))
+                await response.write(_sse(reply_error(reply).body()))
                 break
             for event in builder.deltas(reply, include_usage):
                 await response.write(_sse(event))

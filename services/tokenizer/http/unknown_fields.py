@@ -28,16 +28,21 @@ class CompletionNoEffect(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     return_hidden_states: bool = False
 
 
-class ChatNoEffect(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """OpenAI /v1/chat/completions fields accepted without effect."""
+class ResponsesNoEffect(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI /v1/responses fields accepted without effect (and chat's, below)."""
 
     user: str | None = None  # an end-user id for abuse monitoring: we do none
     safety_identifier: str | None = None  # the same, OpenAI's newer name
-    metadata: dict[str, str] | None = None  # tags for OpenAI's stored completions: nothing is stored
-    store: bool | None = None  # store the completion at OpenAI: nothing is stored
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None  # one tier here
     prompt_cache_key: str | None = None  # OpenAI's cache routing hint: our prefix cache needs none
     prompt_cache_retention: str | None = None  # OpenAI's cache lifetime: ours is bounded by memory
+
+
+class ChatNoEffect(ResponsesNoEffect, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI /v1/chat/completions fields accepted without effect."""
+
+    metadata: dict[str, str] | None = None  # tags for OpenAI's stored completions: nothing is stored
+    store: bool | None = None  # store the completion at OpenAI: nothing is stored
     modalities: list[Literal["text"]] | None = None  # text is the only output; ["audio"] is a 400
     # sglang's, at the values of ONLY_AT
     no_stop_trim: bool = False
@@ -62,7 +67,11 @@ ONLY_AT: dict[str, tuple[object, str]] = {
 
 
 # By body type name, so bodies.py need not import this module's types.
-_NO_EFFECT: dict[str, type[msgspec.Struct]] = {"CompletionBody": CompletionNoEffect, "ChatBody": ChatNoEffect}
+_NO_EFFECT: dict[str, type[msgspec.Struct]] = {
+    "CompletionBody": CompletionNoEffect,
+    "ChatBody": ChatNoEffect,
+    "ResponsesBody": ResponsesNoEffect,
+}
 
 
 def no_effect_fields(body_type: type[msgspec.Struct]) -> tuple[str, ...]:

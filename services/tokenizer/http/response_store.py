@@ -1,0 +1,69 @@
+"""The stored responses of /v1/responses (`store: true`): bounded by a count and a byte budget,
+least recently used dropped first. Owned by the HTTP front door; lost on restart, as its cache is.
+
+A stored response keeps its Response object (for GET) and its input items (after any previous
+response's input and output): with its output, the conversation that the next turn's
+`previous_response_id` continues.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, NamedTuple
+
+import msgspec
+
+
+class StoredResponse(NamedTuple):
+    """One kept response: the Response object and the items that were its input."""
+
+    response: dict[str, Any]
+    inputs: list[dict[str, Any]]
+    size: int  # bytes of both as JSON: what the budget counts
+
+    @property
+    def conversation(self) -> list[dict[str, Any]]:
+        """Its input then its output: what a next turn continues."""
+        return [*self.inputs, *self.response["output"]]
+
+
+class ResponseStore:
+    """An LRU map from response id to `StoredResponse`, within `max_count` and `max_bytes`."""
+
+    def __init__(self, max_count: int, max_bytes: int):
+        self.max_count = max_count
+        self.max_bytes = max_bytes
+        self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def put(self, response_id: str, response: dict[str, Any], inputs: list[dict[str, Any]]) -> bool:
+        """Keep a response (dropping the least recently used to make room); False when it
+        cannot be kept at all (no room, or larger than the whole budget)."""
+        size = len(msgspec.json.encode(response)) + len(msgspec.json.encode(inputs))
+        if self.max_count == 0 or size > self.max_bytes:
+            return False
+        self.delete(response_id)
+        while self._kept and (len(self._kept) >= self.max_count or self.bytes + size > self.max_bytes):
+            _, dropped = self._kept.popitem(last=False)
+            self.bytes -= dropped.size
+        self._kept[response_id] = StoredResponse(response, inputs, size)
+        self.bytes += size
+        return True
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        """The kept response (now the most recently used), or None."""
+        found = self._kept.get(response_id)
+        if found is not None:
+            self._kept.move_to_end(response_id)
+        return found
+
+    def delete(self, response_id: str) -> bool:
+        """Forget a response; False when it was not kept."""
+        found = self._kept.pop(response_id, None)
+        if found is None:
+            return False
+        self.bytes -= found.size
+        return True
