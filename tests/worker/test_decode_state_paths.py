@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from himamba.kernels.dispatch import CUDA_PATH_ENV
+from himamba.services.worker import pools
 from himamba.services.worker.layers import pool_rows
 from himamba.services.worker.layers.pool_rows import consecutive_rows, decode_rows
 from himamba.services.worker.loader import load_model
@@ -95,6 +96,10 @@ def test_the_cuda_path_updates_pool_rows_in_place_with_no_copies(
     monkeypatch.setenv(CUDA_PATH_ENV, "1")
     monkeypatch.setattr(pool_rows, "gather_state_rows", no_copy)
     monkeypatch.setattr(pool_rows, "scatter_state_rows", no_copy)
+    # Nor the CPU path's views of consecutive rows, nor its resident rows (gathered copies kept
+    # between steps): the kernels get the pool itself and the slots.
+    monkeypatch.setattr(pool_rows, "consecutive_rows", no_copy)
+    monkeypatch.setattr(pools, "ResidentRows", no_copy)
     cuda = _generate(tiny, slots, prompts, steps=4)
     for step, (x, y) in enumerate(zip(cpu, cuda, strict=True)):
         # The CPU path runs the native kernels on gathered rows, the CUDA path the references on the
