@@ -25,7 +25,7 @@ from himamba.services.worker.models.granite_hybrid import GraniteHybridMoE
 from himamba.services.worker.models.jamba import JambaMoE
 from himamba.services.worker.models.nemotron_h import NemotronHMoE
 from himamba.services.worker.models.qwen3_next import Qwen3NextMoE
-from tests.worker.launch_counts import counting
+from himamba.services.worker.launch_count import LaunchCount, StepCount
 
 HIDDEN, INTER, TOP_K = 32, 16, 2
 
@@ -75,8 +75,10 @@ def run_case(family: str, experts: int, tokens: int) -> dict:
     with torch.inference_mode():
         layer(x)  # first call outside the count: imports, the interpreter's rewrites
         assert dispatch.cuda_path(x)
-        with counting() as counter:
+        count = LaunchCount()
+        with count:
             got = layer(x)
+        counter = count.result()
         _set_kernels("reference")
         try:
             want = layer(x)
@@ -88,7 +90,7 @@ def run_case(family: str, experts: int, tokens: int) -> dict:
         "tokens": tokens,
         "launches": counter.launches,
         "triton_launches": counter.triton_launches,
-        "syncs": counter.syncs,
+        "syncs": _sync_names(counter),
         "max_diff": float((got - want).abs().max()),
     }
 
@@ -100,9 +102,15 @@ def control(experts: int, tokens: int) -> dict:
     routing = reference_moe.Routing(
         torch.full((tokens, TOP_K), 0.5), torch.arange(tokens * TOP_K).remainder(experts).view(tokens, TOP_K)
     )
-    with torch.inference_mode(), counting() as counter:
+    count = LaunchCount()
+    with torch.inference_mode(), count:
         reference_moe.moe_experts(x, routing, layer.experts.gate_up_proj, layer.experts.down_proj, "silu")
-    return {"experts": experts, "tokens": tokens, "launches": counter.launches, "syncs": counter.syncs}
+    counter = count.result()
+    return {"experts": experts, "tokens": tokens, "launches": counter.launches, "syncs": _sync_names(counter)}
+
+
+def _sync_names(count: StepCount) -> list[str]:
+    return [s.op for s in count.syncs]
 
 
 def main() -> None:

@@ -51,5 +51,5 @@ def test_the_moe_layer_never_syncs_and_launches_as_many_ops_at_any_size(counts: 
 def test_the_counter_sees_the_expert_loop_it_replaced(counts: dict) -> None:
     few, many = counts["controls"]
     assert (few["experts"], many["experts"]) == (8, 64)
-    assert "aten.bincount.default" in few["syncs"] and "Tensor.tolist" in few["syncs"]
+    assert "bincount" in few["syncs"] and "tolist" in few["syncs"]
     assert many["launches"] > few["launches"]
