@@ -272,11 +272,7 @@ class HostTransfer:
             for layer in range(layers):
                 for kv_i, pool in enumerate((self.kv.k[layer], self.kv.v[layer])):
                     stage[:, layer, kv_i] = pool.index_select(0, slots).view(n, ps, *pool.shape[1:])
-        for at, host_at, length in host_runs(host_pages):
-            if to_host:
-                self.host.kv[host_at : host_at + length].copy_(stage[at : at + length], non_blocking=True)
-            else:
-                stage[at : at + length].copy_(self.host.kv[host_at : host_at + length], non_blocking=True)
+        copy_runs(self.host.kv, stage, host_pages, to_host)
         if not to_host:
             for layer in range(layers):
                 for kv_i, pool in enumerate((self.kv.k[layer], self.kv.v[layer])):
@@ -299,11 +295,7 @@ class HostTransfer:
                 rows = dev.index_select(0, idx).reshape(n, -1).view(torch.uint8)
                 at = offsets[(li, name)]
                 stage[:, at : at + rows.shape[1]] = rows
-        for at, host_at, length in host_runs(host_slots):
-            if to_host:
-                self.host.state_bytes[host_at : host_at + length].copy_(stage[at : at + length], non_blocking=True)
-            else:
-                stage[at : at + length].copy_(self.host.state_bytes[host_at : host_at + length], non_blocking=True)
+        copy_runs(self.host.state_bytes, stage, host_slots, to_host)
         if not to_host:
             for li, name, dev, _ in fields:
                 at = offsets[(li, name)]
@@ -357,6 +349,16 @@ def host_runs(host_ids: Sequence[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((i, h, 1))
     return runs
+
+
+def copy_runs(host: torch.Tensor, stage: torch.Tensor, host_ids: Sequence[int], to_host: bool) -> None:
+    """Rows of `stage` (in order) to or from rows `host_ids` of `host`: one copy per run of
+    consecutive host rows, asynchronous where the host memory is pinned."""
+    for at, host_at, length in host_runs(host_ids):
+        if to_host:
+            host[host_at : host_at + length].copy_(stage[at : at + length], non_blocking=True)
+        else:
+            stage[at : at + length].copy_(host[host_at : host_at + length], non_blocking=True)
 
 
 def pin_host_pools(host: HostPools) -> str:
