@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from threading import Lock
 from typing import Any
 
@@ -26,12 +29,50 @@ from himamba.common.types import GrammarSpec
 _JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 MAX_SPEC_CHARS = 1 << 20  # a grammar's source text; larger is refused before it is parsed
 CHECK_CACHE_SIZE = 256  # specs whose check result the front door remembers
+# llguidance compiles a rule (or a `$ref`) the first time another one names it, by recursion: a
+# chain of references costs 3-5 KB of stack a link, and 3,000-4,000 links overflowed an 8 MiB
+# stack (SIGSEGV, the whole process). Rule definitions plus `$ref`s bound the chain's length.
+MAX_GRAMMAR_RULES = 1000
+# The stack of every thread that builds grammars (the front door's checks, the worker's builds):
+# MAX_GRAMMAR_RULES links need about 5 MiB of it, whatever the platform's default thread stack is.
+GRAMMAR_STACK_BYTES = 64 << 20
+# Alternatives open at once: llguidance's parser holds 2,000 items a row (`max_items_in_row`), and
+# a choice or anyOf of more fails at the first token. A static bound refuses the plain cases.
+MAX_ALTERNATIVES = 1000
+MAX_ITEMS_IN_ROW = 2000
+# Every failure of a matcher after its build (the output ran into a limit, or a grammar with no
+# finite text) is reported with this text: the client's request, not the server, is at fault.
+GRAMMAR_DEAD_END = "grammar: the output cannot follow the grammar any further"
+_RULE_DEFINITION = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w.-]*[ \t]*(?:::=|:)", re.MULTILINE)  # GBNF or Lark
 
 
 def parser_limits() -> llguidance.LLParserLimits:
     """Bounds on one grammar's build and per-token work (a hostile grammar fails, it does not
     stall the process); errors keep no grammar text (they reach clients)."""
-    return llguidance.LLParserLimits(max_grammar_size=200_000, verbose_errors=False)
+    return llguidance.LLParserLimits(max_grammar_size=200_000, max_items_in_row=MAX_ITEMS_IN_ROW, verbose_errors=False)
+
+
+def grammar_thread_pool(name: str) -> ThreadPoolExecutor:
+    """A one-thread pool whose thread has GRAMMAR_STACK_BYTES of stack, for grammar builds."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+    with _STACK_SIZE_LOCK:
+        before = threading.stack_size(GRAMMAR_STACK_BYTES)
+        try:
+            pool.submit(lambda: None).result()  # the pool's thread starts now, with that stack
+        finally:
+            threading.stack_size(before)
+    return pool
+
+
+_STACK_SIZE_LOCK = Lock()
+
+
+def _bound_references(text: str, what: str) -> None:
+    count = len(_RULE_DEFINITION.findall(text)) + text.count("$ref")
+    if count > MAX_GRAMMAR_RULES:
+        raise ValueError(
+            f"{what} has {count} rules and $refs, more than {MAX_GRAMMAR_RULES} (the most one grammar may hold)"
+        )
 
 
 def _choices(spec: str) -> list[str]:
@@ -43,13 +84,40 @@ def _choices(spec: str) -> list[str]:
         raise ValueError("choice must be a non-empty list of strings")
     if not all(items):
         raise ValueError("choice: every choice must be a non-empty string")
+    if len(items) > MAX_ALTERNATIVES:
+        raise ValueError(f"choice has {len(items)} strings, more than {MAX_ALTERNATIVES}")
     return items
 
 
+def _bound_alternatives(schema: Any) -> None:
+    """The longest anyOf / oneOf list of `schema` is at most MAX_ALTERNATIVES (iterative: the
+    schema is as deep as JSON parsing let it be)."""
+    todo = [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            for key in ("anyOf", "oneOf"):
+                alts = node.get(key)
+                if isinstance(alts, list) and len(alts) > MAX_ALTERNATIVES:
+                    raise ValueError(f"{key} has {len(alts)} alternatives, more than {MAX_ALTERNATIVES}")
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+
+
 def grammar_text(spec: GrammarSpec) -> str:
-    """The llguidance grammar of `spec`; ValueError when its source does not parse."""
+    """The llguidance grammar of `spec`; ValueError when its source does not parse or is over
+    the limits (MAX_SPEC_CHARS, MAX_GRAMMAR_RULES)."""
     if len(spec.spec) > MAX_SPEC_CHARS:
         raise ValueError(f"{spec.kind} is {len(spec.spec)} characters, more than {MAX_SPEC_CHARS}")
+    if spec.kind in ("json_schema", "ebnf"):  # before any conversion: refused at once
+        _bound_references(spec.spec, "the grammar" if spec.kind == "ebnf" else "the JSON schema")
+    text = _grammar_text(spec)
+    _bound_references(text, "the grammar")  # what the library compiles (a conversion may add rules)
+    return text
+
+
+def _grammar_text(spec: GrammarSpec) -> str:
     match spec.kind:
         case "json_schema" | "json_object":
             source = spec.spec if spec.kind == "json_schema" else '{"type": "object"}'
@@ -57,8 +125,11 @@ def grammar_text(spec: GrammarSpec) -> str:
                 schema = json.loads(source)
             except ValueError as e:
                 raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+            except RecursionError:
+                raise ValueError("the JSON schema is nested too deeply") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("a JSON schema must be an object (or true/false)")
+            _bound_alternatives(schema)
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)  # type: ignore[arg-type]
         case "regex":
             if not spec.spec:
@@ -144,4 +215,25 @@ class GrammarChecks:
                     return f"structured outputs are not available with this model's tokenizer ({e})"
             tokenizer = self._tokenizer
         m = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=parser_limits())
-        return m.get_error() if m.is_error() else ""
+        return m.get_error() if m.is_error() else _first_step_error(m)
+
+
+def _first_step_error(m: llguidance.LLMatcher) -> str:
+    """Why `m` fails at its first token ("" when it does not). A grammar with no finite text (a
+    rule or $ref that only refers to itself) or too many open alternatives builds, and fails only
+    as the output starts: its first mask and one allowed token show it here, before a request is
+    queued."""
+    mask = m.compute_bitmask()
+    if not m.is_error():
+        first = next((i * 8 + b for i, byte in enumerate(mask) if byte for b in range(8) if byte >> b & 1), None)
+        if first is None:
+            return "" if m.is_accepting() else "the grammar allows no text"
+        m.consume_token(first)
+        if not m.is_error():
+            m.compute_bitmask()
+    if not m.is_error():
+        return ""
+    return (  # our words: the library's text names its internals
+        "the grammar cannot be followed from its first token: it has no finite text (a rule or $ref "
+        f"that only refers to itself), or more alternatives open at once than the parser holds ({MAX_ITEMS_IN_ROW})"
+    )

@@ -13,6 +13,8 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 MAX_SAMPLES = 16  # the most samples (`n`) one request may ask for
 # Below this a temperature divides logits into infinities (softmax then gives NaN): 0 is greedy.
 MIN_TEMPERATURE = 1e-5
+# The sampler compares top_p in float32: a smaller top_p becomes 0 (or a denormal) there.
+MIN_TOP_P = 2.0**-126  # float32's smallest normal number, about 1.2e-38
 # A penalty divides or multiplies logits: outside this range it overflows them the same way.
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 MAX_TOP_K = 2**31 - 1
@@ -80,8 +82,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError(f"max_tokens must be in [1, {max_context_len}], got {self.max_tokens}")
         if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= 100.0):
             raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100], got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (MIN_TOP_P <= self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in [{MIN_TOP_P:.3g}, 1], got {self.top_p}")
         if not (0 <= self.top_k <= MAX_TOP_K):
             raise ValueError(f"top_k must be in [0, {MAX_TOP_K}], got {self.top_k}")
         if not (0.0 <= self.min_p <= 1.0):

@@ -29,6 +29,7 @@ import msgspec
 from tokenizers import Tokenizer
 
 from himamba.common.config import Config
+from himamba.common.grammar import GRAMMAR_DEAD_END
 from himamba.common.messages import (
     MAX_RID_CHARS,
     AbortGenerate,
@@ -372,7 +373,9 @@ class TokenizerService(Actor[ToTokenizer]):
             return
         entry.sent = None
         if out.error:
-            await self._fail_request(entry, out.error, abort_failed=False)
+            # A grammar the output ran into a dead end of is the request's fault, not the server's.
+            code = 400 if out.error.startswith(GRAMMAR_DEAD_END) else 500
+            await self._fail_request(entry, out.error, abort_failed=False, code=code)
             return
         self._request_metrics.on_tokens(entry.clock, len(out.token_ids), time.monotonic())
         try:

@@ -24,14 +24,14 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import NamedTuple
 
 import llguidance
 import torch
 
-from himamba.common.grammar import make_tokenizer, new_matcher, spec_key
+from himamba.common.grammar import GRAMMAR_DEAD_END, grammar_thread_pool, make_tokenizer, new_matcher, spec_key
 from himamba.common.types import GrammarSpec
 
 log = logging.getLogger("himamba.worker")
@@ -50,7 +50,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.size = size
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._pool = grammar_thread_pool("grammar")
         self._tokenizer: Future[llguidance.LLTokenizer] | None = None
         self._templates: OrderedDict[bytes, Future[llguidance.LLMatcher]] = OrderedDict()
         self._executor: llguidance.LLExecutor | None = None
@@ -120,9 +120,9 @@ class GrammarCompiler:
             empty = (bitmask == 0).all(dim=1).tolist()
             for matcher, k in work:
                 if matcher.is_error():  # a mask the grammar could not compute: the row fails alone
-                    errors[rows[k]] = f"grammar: {matcher.get_error()}"
+                    errors[rows[k]] = _dead_end(matcher.get_error())
                 elif empty[k]:  # e.g. a finished grammar on a model without an end-of-sequence token
-                    errors[rows[k]] = "grammar: no token of the vocabulary is allowed here"
+                    errors[rows[k]] = f"{GRAMMAR_DEAD_END} (no token of the vocabulary is allowed here)"
         return GrammarMasks(rows, bitmask, errors)
 
     def close(self) -> None:
@@ -177,8 +177,14 @@ class GrammarState:
     def _consume(self) -> None:
         assert self.matcher is not None
         if self.pending and not self.matcher.consume_tokens(self.pending):
-            self.error = f"grammar: a token the grammar does not allow was fed ({self.matcher.get_error()})"
+            self.error = _dead_end(self.matcher.get_error())
         self.pending.clear()
+
+
+def _dead_end(library_error: str) -> str:
+    """The row's error for a matcher that failed: the library's text goes to the log only."""
+    log.warning("a grammar matcher failed: %s", library_error.splitlines()[0] if library_error else "?")
+    return GRAMMAR_DEAD_END
 
 
 class GrammarMasks(NamedTuple):

@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from himamba.common.grammar import GrammarChecks, grammar_text, make_tokenizer, new_matcher
+from himamba.common.grammar import (
+    MAX_GRAMMAR_RULES,
+    GrammarChecks,
+    grammar_text,
+    grammar_thread_pool,
+    make_tokenizer,
+    new_matcher,
+)
 from himamba.common.types import GrammarSpec
 from tests.worker.test_grammar_masks import EOS, _tiny_tokenizer
 
@@ -104,3 +111,89 @@ def test_any_spec_is_accepted_or_a_value_error(kind, spec):
         GrammarChecks().check(GrammarSpec(kind=kind, spec=spec))
     except ValueError as e:
         assert str(e)
+
+
+def _rule_chain(n: int) -> str:
+    return "root ::= r0\n" + "\n".join(f'r{i} ::= "x{i}" r{i + 1} | "y"' for i in range(n)) + f'\nr{n} ::= "z"'
+
+
+def _ref_chain(n: int) -> str:
+    defs = {f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(n)}
+    defs[f"d{n}"] = {"type": "string"}
+    return json.dumps({"$defs": defs, "$ref": "#/$defs/d0"})
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        GrammarSpec(kind="ebnf", spec=_rule_chain(5000)),  # GBNF: overflowed the stack (SIGSEGV)
+        GrammarSpec(kind="ebnf", spec=_rule_chain(5000).replace(" ::=", ":").replace("root", "start")),  # Lark
+        GrammarSpec(kind="ebnf", spec="start: A0\n" + "\n".join(f'A{i}: "x" A{i + 1}' for i in range(5000))),
+        GrammarSpec(kind="json_schema", spec=_ref_chain(2000)),  # a $ref chain overflowed it too
+    ],
+    ids=["gbnf-rules", "lark-rules", "lark-terminals", "json-refs"],
+)
+def test_a_chain_of_references_over_the_limit_is_refused_naming_it_before_the_library_sees_it(spec):
+    with pytest.raises(ValueError, match=f"more than {MAX_GRAMMAR_RULES}"):
+        grammar_text(spec)
+
+
+def test_a_chain_at_the_limit_builds_on_a_grammar_thread():
+    # The longest chain the limits let through builds on a grammar thread's stack.
+    pool = grammar_thread_pool("test-grammar")
+    try:
+        for spec in (
+            GrammarSpec(kind="ebnf", spec=_rule_chain(MAX_GRAMMAR_RULES - 2)),
+            GrammarSpec(kind="json_schema", spec=_ref_chain(MAX_GRAMMAR_RULES - 1)),
+        ):
+            pool.submit(GrammarChecks().check, spec).result()
+    finally:
+        pool.shutdown()
+
+
+def test_a_schema_nested_past_the_json_parser_is_a_value_error():
+    deep = '{"type":"object","properties":{"a":' * 3000 + "{}" + "}}" * 3000
+    with pytest.raises(ValueError, match="nested too deeply"):
+        grammar_text(GrammarSpec(kind="json_schema", spec=deep))
+
+
+def _json(schema: object) -> GrammarSpec:
+    return GrammarSpec(kind="json_schema", spec=json.dumps(schema))
+
+
+@pytest.mark.parametrize(
+    "spec,why",
+    [
+        # Each built, then failed once the output started (a 500 quoting the library, turn 3).
+        (_json({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}), "no finite text"),
+        (_json({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}), "no finite"),
+        (_json({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}), "no finite text"),
+        (GrammarSpec(kind="ebnf", spec='root ::= "a" root'), "no finite text"),
+        (
+            _json(
+                {
+                    "anyOf": [
+                        {"type": "object", "properties": {f"k{i}": {"const": i}}, "required": [f"k{i}"]}
+                        for i in range(3000)
+                    ]
+                }
+            ),
+            "anyOf has 3000 alternatives, more than 1000",
+        ),
+        (GrammarSpec(kind="choice", spec=json.dumps([f"c{i}" for i in range(60000)])), "more than 1000"),
+    ],
+    ids=["ref-root", "ref-cycle", "ref-self", "ebnf-no-end", "anyOf-3000", "choice-60k"],
+)
+def test_a_grammar_that_fails_at_its_first_token_is_refused_by_the_check_in_our_words(tok, vocab, spec, why):
+    checks = GrammarChecks(lambda: make_tokenizer(tok.to_str(), vocab, [EOS]))
+    with pytest.raises(ValueError, match=why) as e:
+        checks.check(spec)
+    assert "NoExtensionBias" not in str(e.value) and "Parser Error" not in str(e.value)
+
+
+def test_recursive_grammars_with_an_end_pass_the_check(tok, vocab):
+    checks = GrammarChecks(lambda: make_tokenizer(tok.to_str(), vocab, [EOS]))
+    tree = {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}
+    checks.check(_json({"$defs": {"n": tree}, "$ref": "#/$defs/n"}))
+    checks.check(GrammarSpec(kind="ebnf", spec='root ::= "a" root | "b"'))
+    checks.check(GrammarSpec(kind="choice", spec=json.dumps([f"c{i}" for i in range(1000)])))

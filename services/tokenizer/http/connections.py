@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from himamba.services.tokenizer.http.errors import ApiError
 
@@ -151,8 +151,12 @@ class MalformedRequestFilter(logging.Filter):
 
 
 async def read_body(request: web.Request, timeout_s: float) -> bytes:
-    """The request body, or a 408 when it does not arrive within `timeout_s`."""
+    """The request body, or a 408 when it does not arrive within `timeout_s` (a 400 when its
+    Content-Encoding does not decode)."""
     try:
         return await asyncio.wait_for(request.read(), timeout_s)
+    except RequestPayloadError as e:  # e.g. a gzip body that does not decompress
+        why = str(e).strip().splitlines()[-1].strip() if str(e).strip() else "the body could not be read"
+        raise ApiError(400, f"request body: {why}", code="invalid_body") from None
     except TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {timeout_s:g}s", code="request_timeout") from None

@@ -17,11 +17,12 @@ from typing import Any
 
 import msgspec
 
-from himamba.common.grammar import GrammarChecks
+from himamba.common.grammar import GrammarChecks, grammar_thread_pool
 from himamba.common.types import GrammarKind, GrammarSpec
 from himamba.services.tokenizer.http.errors import ApiError
 
 _CHECKS = GrammarChecks()  # the grammar on its own; the front door checks it against the tokenizer too
+_CHECK_POOL = grammar_thread_pool("grammar-parse")  # a build's stack, never the event loop's thread's
 
 
 class StructuredOutputFields(msgspec.Struct, frozen=True, kw_only=True):
@@ -152,7 +153,7 @@ def _one(found: list[tuple[str, GrammarSpec]]) -> GrammarSpec | None:
         )
     field, spec = found[0]
     try:
-        _CHECKS.check(spec)
+        _CHECK_POOL.submit(_CHECKS.check, spec).result()
     except ValueError as e:
         raise ApiError(400, f"{field}: {e}", param=_param(field), code="invalid_grammar") from None
     return spec
