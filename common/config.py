@@ -188,6 +188,13 @@ class EndpointsConfig(_Section):
         PositiveInt,
         doc("Replies queued for a ZeroMQ client that does not read them; beyond, its requests are aborted."),
     ] = 65536
+    max_client_connections: Annotated[
+        NonNegInt,
+        doc(
+            "Open ZeroMQ client connections at most (beyond, the newest is closed at once; connections that do not "
+            "finish the ZeroMQ/CURVE handshake in 5 s are closed too); 0: a quarter of the fd limit less a reserve."
+        ),
+    ] = 0
     curve_secret_key_file: Annotated[
         str,
         doc("A tcp:// client endpoint with CURVE: the server's key pair (a zmq.auth .key_secret file)."),

@@ -13,6 +13,15 @@ queue fails with EAGAIN instead of being dropped silently mid-stream, and that c
 treated as gone: its requests are aborted and their memory returned. Messages larger than
 `max_message_bytes` make ZeroMQ disconnect the sender (ZMQ_MAXMSGSIZE), before any decoding.
 
+Connections are capped, as HTTP ones are: libzmq has no per-listener limit, accepts every
+connection it is offered, and asserts when `accept` fails with EMFILE on an ipc:// listener (a
+flood of bare connects aborted the front door; on tcp:// the next descriptor anything else asked
+for failed). The monitor reports each ACCEPTED connection with its descriptor; one beyond
+`max_connections` is shut down at once (shutdown(2), not close: libzmq sees the end of the stream
+and closes its own descriptor), so served clients are never touched, and the cap plus the HTTP
+one stay below the fd limit. A connection that has not finished the ZeroMQ (and CURVE) handshake
+within HANDSHAKE_MS is closed by libzmq, so unauthenticated connections cannot hold descriptors.
+
 Descriptors are reused by the kernel. Monitor events are drained before each client message is
 returned (libzmq emits a connection's DISCONNECTED before closing its descriptor), but a message
 from a new owner of a descriptor has been seen before the old owner's DISCONNECTED: a client that
@@ -23,6 +32,8 @@ that event instead).
 from __future__ import annotations
 
 import collections
+import logging
+import socket
 from typing import Any, NamedTuple
 
 import zmq
@@ -32,6 +43,8 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
 _POLL_MS = 200
+HANDSHAKE_MS = 5000  # a connection must finish the ZeroMQ (and CURVE) handshake within this
+log = logging.getLogger("himamba.tokenizer")
 
 
 class ClientMessage(NamedTuple):
@@ -118,8 +131,12 @@ class ClientSocket:
         max_message_bytes: int = 16 << 20,
         send_queue: int = 1 << 16,
         curve: CurveServer | None = None,
+        max_connections: int = 1 << 20,
     ):
         self.endpoint = endpoint
+        self.max_connections = max_connections
+        self.refused = 0  # connections shut down because the cap was full
+        self._live: dict[int, None] = {}  # descriptors of the open connections, oldest first
         self.router = ctx.socket(zmq.ROUTER)
         self._auth = None
         if curve is not None:
@@ -128,9 +145,11 @@ class ClientSocket:
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.SNDHWM, send_queue)
         self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self.router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
         self.overflowed = 0  # clients dropped because they did not read their replies
-        self.monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitor = self.router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self.router.bind(endpoint)
+        self._local = _local_address(self.router.getsockopt(zmq.LAST_ENDPOINT).decode())
         self._poller = zmq.asyncio.Poller()
         self._poller.register(self.router, zmq.POLLIN)
         self._poller.register(self.monitor, zmq.POLLIN)
@@ -180,10 +199,44 @@ class ClientSocket:
             except zmq.Again:
                 return
             event = parse_monitor_message(raw)
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                owner = self._owners.disconnected(int(event["value"]))
+            fd = int(event["value"])
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._live[fd] = None
+                if len(self._live) > self.max_connections:
+                    self._refuse(fd)
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._live.pop(fd, None)
+                owner = self._owners.disconnected(fd)
                 if owner is not None:
                     self._gone.append(owner)
+
+    @property
+    def connections(self) -> int:
+        """Open client connections (as the monitor has reported them so far)."""
+        return len(self._live)
+
+    def _refuse(self, fd: int) -> None:
+        """Shut down the connection just accepted on `fd`: its DISCONNECTED follows. Only when
+        `fd` is still a connection of this listener (libzmq may have closed it, and the kernel
+        given the number to another file, since the event was sent)."""
+        try:
+            conn = socket.socket(fileno=fd)  # no new descriptor: a view of libzmq's
+        except OSError:
+            return
+        try:
+            if _local_address_of(conn) == self._local:
+                conn.shutdown(socket.SHUT_RDWR)
+                self.refused += 1
+                if self.refused == 1 or self.refused % 1000 == 0:
+                    log.warning(
+                        "ZeroMQ client connection cap (%d) reached: closed %d new connection(s) so far",
+                        self.max_connections,
+                        self.refused,
+                    )
+        except OSError:
+            pass
+        finally:
+            conn.detach()
 
     def close(self) -> None:
         if self._auth is not None:
@@ -194,6 +247,21 @@ class ClientSocket:
             pass
         self.monitor.close(linger=0)
         self.router.close(linger=0)
+
+
+def _local_address(endpoint: str) -> Any:
+    """What getsockname() returns on a connection accepted by the listener bound at `endpoint`."""
+    transport, _, address = endpoint.partition("://")
+    if transport == "ipc":
+        return address
+    return int(address.rsplit(":", 1)[1])  # tcp: the port (the host may be a wildcard)
+
+
+def _local_address_of(conn: socket.socket) -> Any:
+    name = conn.getsockname()
+    if conn.family == socket.AF_UNIX:
+        return name if isinstance(name, str) else name.decode(errors="replace")
+    return name[1]
 
 
 def _source_fd(frame: Any) -> int | None:

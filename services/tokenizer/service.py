@@ -74,6 +74,7 @@ from himamba.services.tokenizer.http.chat_template import (
     ChatTemplate,
     load_chat_template,
 )
+from himamba.services.tokenizer.http.connections import client_connection_cap
 from himamba.services.tokenizer.http.server import HttpServer
 from himamba.services.tokenizer.loader import LoadedTokenizer, load_tokenizer
 from himamba.services.tokenizer.local_clients import LocalClients, ReplyStream
@@ -171,15 +172,21 @@ class TokenizerService(Actor[ToTokenizer]):
         max_bytes = CLIENT_BYTES_PER_CONTEXT_TOKEN * self.cfg.model.max_context_len + (1 << 20)
         ep = self.cfg.endpoints
         curve = CurveServer(ep.curve_secret_key_file, ep.curve_clients_dir) if ep.curve_secret_key_file else None
+        zmq_cap = client_connection_cap(ep.max_client_connections)
         self._clients = ClientSocket(
-            self.ctx, ep.zmq_endpoint, max_message_bytes=max_bytes, send_queue=ep.client_send_queue, curve=curve
+            self.ctx,
+            ep.zmq_endpoint,
+            max_message_bytes=max_bytes,
+            send_queue=ep.client_send_queue,
+            curve=curve,
+            max_connections=zmq_cap,
         )
         detail = f"vocab {self._vocab_size}, eos {self._eos_token_ids}, clients at {self.cfg.endpoints.zmq_endpoint}"
         if self.cfg.http.port:
-            self._http = HttpServer(self, self.cfg.http, self.log)
+            self._http = HttpServer(self, self.cfg.http, self.log, reserved_fds=zmq_cap)
             detail += f", HTTP at {await self._http.start()}"
             soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-            detail += f" (at most {self._http.guard.cap} connections; fd limit {soft})"
+            detail += f" (at most {self._http.guard.cap} connections, {zmq_cap} ZeroMQ ones; fd limit {soft})"
         return detail
 
     async def background(self) -> None:

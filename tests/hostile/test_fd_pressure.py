@@ -111,3 +111,14 @@ def test_the_connection_cap_stays_below_the_fd_limit() -> None:
     assert connection_cap(0) == soft - FD_RESERVE
     assert connection_cap(10**9) == soft - FD_RESERVE  # an operator's cap above the limit is lowered
     assert connection_cap(100) == 100
+
+
+def test_zmq_and_http_connection_caps_together_stay_below_the_fd_limit() -> None:
+    import resource
+
+    from himamba.services.tokenizer.http.connections import FD_RESERVE, client_connection_cap, connection_cap
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    zmq_cap = client_connection_cap(0)
+    assert 0 < zmq_cap and zmq_cap + connection_cap(0, reserved=zmq_cap) == soft - FD_RESERVE
+    assert client_connection_cap(10**9) == (soft - FD_RESERVE) // 2  # at most half: HTTP keeps the rest

@@ -31,13 +31,25 @@ _MIN_CAP = 16
 _REFUSED_LINGER_S = 1.0
 
 
-def connection_cap(configured: int) -> int:
-    """The configured cap, or the soft fd limit less a reserve for the server's own files; never
-    more than that (past it, a ZeroMQ socket could not get a descriptor and libzmq aborts)."""
+def _fd_room() -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20
-    room = max(_MIN_CAP, soft - FD_RESERVE)
+    return max(_MIN_CAP, soft - FD_RESERVE)
+
+
+def client_connection_cap(configured: int) -> int:
+    """ZeroMQ client connections at most: the configured cap, or a quarter of the fd limit less
+    the reserve; never more than half of that (HTTP connections get the rest)."""
+    room = _fd_room()
+    return max(_MIN_CAP, min(configured, room // 2) if configured else room // 4)
+
+
+def connection_cap(configured: int, reserved: int = 0) -> int:
+    """The configured cap, or the soft fd limit less a reserve for the server's own files and the
+    `reserved` descriptors of ZeroMQ clients; never more than that (past it, a ZeroMQ socket could
+    not get a descriptor and libzmq aborts)."""
+    room = max(_MIN_CAP, _fd_room() - reserved)
     return min(configured, room) if configured else room
 
 

@@ -148,7 +148,8 @@ _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 class HttpServer:
     """aiohttp application bound to `cfg.host:cfg.port` on the running (uvloop) event loop."""
 
-    def __init__(self, door: FrontDoor, cfg: HttpConfig, log: logging.Logger):
+    def __init__(self, door: FrontDoor, cfg: HttpConfig, log: logging.Logger, reserved_fds: int = 0):
+        """`reserved_fds`: descriptors the HTTP connection cap leaves to ZeroMQ clients."""
         self.door = door
         self.cfg = cfg
         self.log = log
@@ -170,7 +171,7 @@ class HttpServer:
         self.responses.add_routes(self.app.router)
         self._runner: web.AppRunner | None = None
         self.port = cfg.port
-        self.guard = ConnectionGuard(connection_cap(cfg.max_connections), cfg.request_timeout_s, log)
+        self.guard = ConnectionGuard(connection_cap(cfg.max_connections, reserved_fds), cfg.request_timeout_s, log)
         self._malformed = MalformedRequestFilter(log)
         self._parsing: ChatParsing | None = None  # from the chat template, on first use
         self._parsing_template: ChatTemplate | None = None
