@@ -13,6 +13,10 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 MAX_SAMPLES = 16  # the most samples (`n`) one request may ask for
 # Below this a temperature divides logits into infinities (softmax then gives NaN): 0 is greedy.
 MIN_TEMPERATURE = 1e-5
+# Device state slots one sample holds from its admission on, per --mamba-scheduler-strategy: its
+# working slot and the track slots the strategy keeps beside it. The n samples of one request are
+# admitted together (the first reserves its siblings'), so n x this must fit the pool at once.
+STATE_SLOTS_PER_SAMPLE = {"no_buffer": 1, "extra_buffer": 3, "extra_buffer_lazy": 2, "single_buffer": 2}
 # The sampler compares top_p in float32: a smaller top_p becomes 0 (or a denormal) there.
 MIN_TOP_P = 2.0**-126  # float32's smallest normal number, about 1.2e-38
 # A penalty divides or multiplies logits: outside this range it overflows them the same way.

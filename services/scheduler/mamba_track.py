@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from himamba.common.types import STATE_SLOTS_PER_SAMPLE
 from himamba.services.scheduler.request import Req
 
 Strategy = Literal["no_buffer", "extra_buffer", "extra_buffer_lazy", "single_buffer"]
@@ -39,7 +40,7 @@ Strategy = Literal["no_buffer", "extra_buffer", "extra_buffer_lazy", "single_buf
 
 def track_slots_at_admission(strategy: Strategy) -> int:
     """Track slots a request holds from admission on (besides its working slot)."""
-    return {"no_buffer": 0, "extra_buffer": 2, "extra_buffer_lazy": 1, "single_buffer": 1}[strategy]
+    return STATE_SLOTS_PER_SAMPLE[strategy] - 1
 
 
 def is_boundary(context_len_after: int, interval: int) -> bool:

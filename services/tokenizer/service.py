@@ -53,7 +53,7 @@ from himamba.common.messages import (
 from himamba.common.metrics_exposition import build_info_text, merge_expositions
 from himamba.common.metrics_report import MetricsReporter, ServiceMetrics
 from himamba.common.transport import Outbox
-from himamba.common.types import FinishReason, Usage
+from himamba.common.types import STATE_SLOTS_PER_SAMPLE, FinishReason, Usage
 from himamba.common.wire import Decoder, WireError
 from himamba.services.actor import Actor
 from himamba.services.tokenizer.cache_flush import CacheFlusher
@@ -453,6 +453,21 @@ class TokenizerService(Actor[ToTokenizer]):
                 await self._send_scheduler(AbortRequest(rid=entry.rid))
             await self._reply(identity, ErrorReply(message="internal error (see the server log)", rid=rid, code=500))
 
+    def _check_samples_fit(self, n: int) -> None:
+        """ValueError naming the limit when the device state pool can never hold `n` samples at
+        once (they are admitted together): such a request would wait for room that never comes."""
+        info = self.worker_info
+        if info is None or not info.num_recurrent_layers or n == 1:
+            return
+        strategy = "no_buffer" if self.cfg.cache.disable_radix_cache else self.cfg.scheduler.mamba_scheduler_strategy
+        per = STATE_SLOTS_PER_SAMPLE[strategy]
+        most = info.num_state_slots // per
+        if n > most:
+            raise ValueError(
+                f"n={n} needs {n * per} device state slots at once ({per} a sample under --mamba-scheduler-strategy "
+                f"{strategy}); this server has {info.num_state_slots} (--max-mamba-cache-size): n may be at most {most}"
+            )
+
     def _auto_rid(self, identity: bytes) -> str:
         while True:
             self._next_auto_rid += 1
@@ -477,6 +492,7 @@ class TokenizerService(Actor[ToTokenizer]):
         )
         try:
             prepared = prepare_request(req, self._loaded.tokenizer, limits)
+            self._check_samples_fit(req.sampling.n)
             if req.sampling.grammar is not None:
                 await self._grammars.check(req.sampling.grammar)  # off the loop; a 400 before queueing
         except ValueError as e:

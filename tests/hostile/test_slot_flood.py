@@ -66,3 +66,20 @@ def test_an_n_gt_1_flood_on_small_pools_finishes_and_a_stream_is_served(small_po
     assert during > 10, during
     stats = small_pools.cache_stats()
     assert stats.invariants_ok and stats.running_requests == 0, stats
+
+
+def test_the_largest_n_the_state_pool_holds_is_served_and_one_more_is_a_400_naming_it(
+    small_pools: ServerProcess,
+) -> None:
+    # 10 slots, 2 a sample: n=5 is the most one request can ever have admitted at once. Turn 3
+    # (N6): with 2 slots, every n >= 2 request was a 500 "not enough state slots", even alone.
+    from himamba.common.client import Client, HimambaError
+
+    with Client(small_pools.endpoint, timeout_s=300) as c:
+        outs = c.generate_n(input_ids=[5, 6, 7], n=5, max_tokens=4, ignore_eos=True, temperature=0.8, seed=1)
+        assert [len(o.token_ids) for o in outs] == [4] * 5
+        with pytest.raises(HimambaError) as refused:
+            c.generate_n(input_ids=[5, 6, 7], n=6, max_tokens=4, ignore_eos=True, temperature=0.8, seed=1)
+    assert refused.value.code == 400, refused.value
+    message = str(refused.value)
+    assert "n may be at most 5" in message and "10" in message and "extra_buffer_lazy" in message, message
