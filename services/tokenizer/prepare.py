@@ -7,10 +7,15 @@ from typing import NamedTuple
 from tokenizers import Tokenizer
 
 from himamba.common.messages import GenerateRequest
+from himamba.common.types import SamplingParams
 
 # A prompt longer than this many characters per context token is refused before it is tokenized
 # (tokenizing runs on the front door's event loop): no tokenizer packs more into a token.
 MAX_CHARS_PER_TOKEN = 32
+# Logprob entries (a token and each of its alternatives) one request's replies may carry in all,
+# over its n samples: each is about 70 bytes of JSON, built on the front door's event loop. Turn 3
+# sent prompt_logprobs 20 x n 16 x 4,000 prompt tokens (1.3M entries): a 95 MB reply, 3.7 s of loop.
+MAX_LOGPROB_ENTRIES = 200_000
 
 
 class PreparedRequest(NamedTuple):
@@ -74,4 +79,22 @@ def prepare_request(req: GenerateRequest, tokenizer: Tokenizer, limits: RequestL
     wanted = sampling.max_tokens if sampling.max_tokens is not None else limits.default_max_tokens
     wanted = wanted or limits.max_context_len
     max_tokens = min(wanted, limits.max_context_len - prompt_len)
+    _bound_logprobs(sampling, prompt_len, max_tokens)
     return PreparedRequest(input_ids, max_tokens, req.prompt is not None)
+
+
+def _bound_logprobs(sampling: SamplingParams, prompt_len: int, max_tokens: int) -> None:
+    """ValueError naming the product when the logprobs asked for exceed MAX_LOGPROB_ENTRIES."""
+    parts: list[str] = []
+    total = 0
+    if sampling.prompt_logprobs is not None:  # every prompt token after the first, in each sample's reply
+        total += (prompt_len - 1) * (sampling.prompt_logprobs + 1) * sampling.n
+        parts.append(f"prompt_logprobs: {prompt_len - 1} tokens x {sampling.prompt_logprobs + 1}")
+    if sampling.logprobs:
+        total += max_tokens * (sampling.top_logprobs + 1) * sampling.n
+        parts.append(f"logprobs: max_tokens {max_tokens} x {sampling.top_logprobs + 1}")
+    if total > MAX_LOGPROB_ENTRIES:
+        raise ValueError(
+            f"the reply would carry {total} logprob entries ({' + '.join(parts)}, each times n {sampling.n}), "
+            f"more than {MAX_LOGPROB_ENTRIES}: ask for fewer alternatives, samples or tokens"
+        )

@@ -75,3 +75,24 @@ def test_a_prompt_that_fills_the_context_is_refused(demo_tokenizer: Tokenizer) -
     prompt = "x = 1\n" * 200
     with pytest.raises(ValueError, match="leaves no room"):
         prepare_request(GenerateRequest(prompt=prompt), demo_tokenizer, LIMITS)
+
+
+def test_a_reply_of_more_logprob_entries_than_the_limit_is_refused_with_the_numbers(demo_tokenizer: Tokenizer) -> None:
+    from himamba.services.tokenizer.prepare import MAX_LOGPROB_ENTRIES
+
+    limits = RequestLimits(vocab_size=2048, max_context_len=4096, default_max_tokens=16)
+    # Turn 3 (N5): prompt_logprobs 20 x n 16 on a 4,000-token prompt became a 95 MB reply.
+    big = SamplingParams(max_tokens=8, n=16, temperature=1.0, prompt_logprobs=20)
+    with pytest.raises(ValueError, match=r"3999 tokens x 21.*n 16.*more than 200000") as e:
+        prepare_request(GenerateRequest(input_ids=[1] * 4000, sampling=big), demo_tokenizer, limits)
+    assert str(1_343_664) in str(e.value)  # 3,999 x 21 x 16
+    # Sampled logprobs count by the token budget they may reach.
+    sampled = SamplingParams(max_tokens=4000, n=16, temperature=1.0, logprobs=True, top_logprobs=20)
+    with pytest.raises(ValueError, match="logprobs: max_tokens 4000 x 21"):
+        prepare_request(GenerateRequest(input_ids=[1, 2], sampling=sampled), demo_tokenizer, limits)
+    # The same asks at a size the limit allows are served, up to it exactly.
+    n = MAX_LOGPROB_ENTRIES // (21 * 3999)
+    ok = SamplingParams(max_tokens=8, n=n, temperature=1.0, prompt_logprobs=20)
+    prepare_request(GenerateRequest(input_ids=[1] * 4000, sampling=ok), demo_tokenizer, limits)
+    edge = SamplingParams(max_tokens=MAX_LOGPROB_ENTRIES // 2, logprobs=True, top_logprobs=1)
+    prepare_request(GenerateRequest(input_ids=[1, 2], sampling=edge), demo_tokenizer, RequestLimits(2048, 10**6, 0))
