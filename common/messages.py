@@ -226,9 +226,18 @@ class ResetState(Message):
 
 class PrepareGrammar(Message):
     """The front door accepted a request constrained by `grammar`: the worker builds its matcher
-    now, off its step loop, so the request's first step finds it ready (a hint: nothing answers)."""
+    now, off its step loop, and answers `GrammarReady` once it is built. The front door queues
+    the request only then, so no step of the worker waits for a build."""
 
     grammar: GrammarSpec
+
+
+class GrammarReady(Message):
+    """The worker's template of the grammar whose `spec_key` is `key` is built (`error`: why it
+    failed; the request then fails at its first step, with that reason)."""
+
+    key: bytes
+    error: str = ""
 
 
 # ---------------------------------------------------------------- worker -> scheduler
@@ -567,7 +576,7 @@ class MetricsReport(Message):
 
 # ---------------------------------------------------------------- one union per inbox
 
-ToTokenizer = Union[TokenBatch, WorkerInfo, Ready, MetricsReport, CacheFlushed, Shutdown]
+ToTokenizer = Union[TokenBatch, WorkerInfo, Ready, MetricsReport, CacheFlushed, GrammarReady, Shutdown]
 ToScheduler = Union[
     AddRequest, AbortRequest, StopRequest, BatchDone, CacheStepDone, PrefetchDone, CacheReset, WorkerInfo, Shutdown
 ]

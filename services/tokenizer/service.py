@@ -29,7 +29,7 @@ import msgspec
 from tokenizers import Tokenizer
 
 from himamba.common.config import Config
-from himamba.common.grammar import GRAMMAR_DEAD_END
+from himamba.common.grammar import GRAMMAR_DEAD_END, spec_key
 from himamba.common.messages import (
     MAX_RID_CHARS,
     AbortGenerate,
@@ -40,6 +40,7 @@ from himamba.common.messages import (
     ErrorReply,
     GenerateChunk,
     GenerateRequest,
+    GrammarReady,
     Hello,
     MetricsReport,
     PrepareGrammar,
@@ -53,7 +54,7 @@ from himamba.common.messages import (
 from himamba.common.metrics_exposition import build_info_text, merge_expositions
 from himamba.common.metrics_report import MetricsReporter, ServiceMetrics
 from himamba.common.transport import Outbox
-from himamba.common.types import STATE_SLOTS_PER_SAMPLE, FinishReason, Usage
+from himamba.common.types import STATE_SLOTS_PER_SAMPLE, FinishReason, GrammarSpec, Usage
 from himamba.common.wire import Decoder, WireError
 from himamba.services.actor import Actor
 from himamba.services.tokenizer.cache_flush import CacheFlusher
@@ -92,6 +93,7 @@ _MIN_STALE_S = 1.0
 _WAITING_LOG_EVERY_S = 10.0
 _WAITING_LOG_MAX_S = 300.0
 _STOPPED_REMEMBERED = 4096
+GRAMMAR_READY_TIMEOUT_S = 60.0  # the longest a request waits for the worker to build its grammar
 # A client message larger than this per context token (+1 MiB for the rest) is cut off by ZeroMQ
 # (the client is disconnected): a prompt of MAX_CHARS_PER_TOKEN 4-byte characters per token fits.
 CLIENT_BYTES_PER_CONTEXT_TOKEN = 4 * MAX_CHARS_PER_TOKEN
@@ -141,6 +143,7 @@ class TokenizerService(Actor[ToTokenizer]):
         self._worker: Outbox | None = None
         self._flusher: CacheFlusher | None = None
         self.worker_info: WorkerInfo | None = None
+        self._grammar_waiters: dict[bytes, asyncio.Future[None]] = {}  # spec_key -> the worker built it
         self._clients: ClientSocket | None = None
         self._decoder: Decoder[Any] = Decoder(ClientRequest)
         self._encoder = msgspec.msgpack.Encoder()
@@ -323,6 +326,10 @@ class TokenizerService(Actor[ToTokenizer]):
             case Ready(service=service, pid=pid):
                 self._note_peer(service, "Ready")
                 await self._note_pid(service, pid)
+            case GrammarReady(key=key):
+                waiter = self._grammar_waiters.pop(key, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
             case CacheFlushed():
                 if self._flusher is not None:
                     self._flusher.on_flushed(msg)
@@ -453,6 +460,32 @@ class TokenizerService(Actor[ToTokenizer]):
                 await self._send_scheduler(AbortRequest(rid=entry.rid))
             await self._reply(identity, ErrorReply(message="internal error (see the server log)", rid=rid, code=500))
 
+    async def check_grammar(self, spec: GrammarSpec) -> None:
+        """ValueError ("grammar: why") when `spec` does not build for this model (cached)."""
+        await self._grammars.check(spec)
+
+    async def _grammar_built(self, grammar: GrammarSpec) -> None:
+        """Have the worker build `grammar` and wait until it has: a request is queued only then,
+        so no step of the worker waits for a build (every other request keeps stepping while it
+        runs). Bounded by GRAMMAR_READY_TIMEOUT_S: a worker that restarted lost the ask, and the
+        request's first step then waits for the build instead."""
+        if self._worker is None:
+            return
+        if self.worker_info is None:  # no worker has said it is up: a hint it may read later
+            await self._worker.send(PrepareGrammar(grammar=grammar))
+            return
+        key = spec_key(grammar)
+        waiter = self._grammar_waiters.get(key)
+        if waiter is None:
+            waiter = self._grammar_waiters[key] = asyncio.get_running_loop().create_future()
+            await self._worker.send(PrepareGrammar(grammar=grammar))
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), GRAMMAR_READY_TIMEOUT_S)
+        except TimeoutError:
+            self.log.warning("the worker did not report a grammar built within %gs", GRAMMAR_READY_TIMEOUT_S)
+            if self._grammar_waiters.get(key) is waiter:
+                del self._grammar_waiters[key]
+
     def _check_samples_fit(self, n: int) -> None:
         """ValueError naming the limit when the device state pool can never hold `n` samples at
         once (they are admitted together): such a request would wait for room that never comes."""
@@ -503,8 +536,7 @@ class TokenizerService(Actor[ToTokenizer]):
                 error = ErrorReply(message=f"rid {client_rid!r} is already in flight", rid=client_rid, code=409)
                 await self._reply(identity, error)
                 return
-            if self._worker is not None:
-                await self._worker.send(PrepareGrammar(grammar=req.sampling.grammar))
+            await self._grammar_built(req.sampling.grammar)
         n = req.sampling.n
         adds = sample_requests(
             [internal_rid(identity, client_rid, i) for i in range(n)],

@@ -7,6 +7,7 @@ controller reuse a page right after ordering it copied elsewhere.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -17,8 +18,10 @@ from typing import Any
 import torch
 
 from himamba.common.config import Config
+from himamba.common.grammar import spec_key
 from himamba.common.messages import (
     BatchDone,
+    GrammarReady,
     Hello,
     PrepareGrammar,
     Ready,
@@ -120,6 +123,7 @@ class WorkerService(Actor[ToWorker]):
         self.log.info("%s", self.host.describe())
         tokenizer_json = Path(cfg.model.tokenizer or cfg.model.model) / "tokenizer.json"
         self.grammars = GrammarCompiler(tokenizer_json, self.model.vocab_size, read_eos_token_ids(model_dir))
+        self._announcing: set[asyncio.Task[None]] = set()  # GrammarReady replies waiting for their build
         self.tables = PageTables(self.page_size, plan.num_pages, self.model.vocab_size, self.device, self.grammars)
         self.info = WorkerInfo(
             vocab_size=self.model.vocab_size,
@@ -169,6 +173,15 @@ class WorkerService(Actor[ToWorker]):
         await self.tokenizer.send(Ready(service=self.name, pid=os.getpid()))
         await self.reporter.run()
 
+    async def _announce_grammar(self, key: bytes, built: asyncio.Future[Any]) -> None:
+        """Tell the front door the grammar is built (it queues the request then)."""
+        try:
+            await built
+            error = ""
+        except (ValueError, RuntimeError, OSError, TypeError) as e:
+            error = f"grammar: {e}"
+        await self.tokenizer.send(GrammarReady(key=key, error=error))
+
     async def handle(self, msg: ToWorker, frames: list[Any]) -> None:
         match msg:
             case RunBatch():
@@ -177,7 +190,10 @@ class WorkerService(Actor[ToWorker]):
                 self.state.zero(torch.tensor(slots, dtype=torch.int64, device=self.device))
                 self.host.unwritten.slots_zeroed(slots)
             case PrepareGrammar(grammar=grammar):
-                self.grammars.prepare(grammar)
+                built = asyncio.wrap_future(self.grammars.prepare(grammar))
+                task = asyncio.create_task(self._announce_grammar(spec_key(grammar), built))
+                self._announcing.add(task)
+                task.add_done_callback(self._announcing.discard)
             case Hello(service=service):
                 # A restarted peer missed our WorkerInfo. Answered in inbox order, so it also
                 # tells the peer that every batch (and copy) sent before its Hello has run.

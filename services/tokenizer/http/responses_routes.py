@@ -184,7 +184,7 @@ class ResponsesRoutes:
         new_items = input_items(body.input)
         conversation = items + new_items
         response_id = item_id("resp")
-        chat = server.chat_request(chat_body_of(body, chat_messages_of_items(conversation)), response_id)
+        chat = await server.chat_request(chat_body_of(body, chat_messages_of_items(conversation)), response_id)
         answer = _Answer(chat.shaping() if chat.shaping is not None else None)
         response = self._response(body, response_id, chat.req.sampling.temperature, chat.req.sampling.top_p)
         stream = await server.door.open_stream(chat.req)

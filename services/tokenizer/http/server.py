@@ -30,7 +30,7 @@ from himamba.common.config import HttpConfig
 from himamba.common.messages import ErrorReply, GenerateChunk, GenerateRequest
 from himamba.common.metrics import HTTP_RESPONSES
 from himamba.common.metrics_report import ServiceMetrics
-from himamba.common.types import Usage, combined_usage
+from himamba.common.types import GrammarSpec, Usage, combined_usage
 from himamba.services.tokenizer.generation_defaults import SamplingDefaults
 from himamba.services.tokenizer.http.batch import BatchedCompletion
 from himamba.services.tokenizer.http.bodies import (
@@ -59,6 +59,7 @@ from himamba.services.tokenizer.http.responses import Kind, ResponseBuilder
 from himamba.services.tokenizer.http.responses_routes import ResponsesRoutes
 from himamba.services.tokenizer.http.sglang_routes import ROUTES as SGLANG_ROUTES
 from himamba.services.tokenizer.http.sglang_routes import SglangRoutes
+from himamba.services.tokenizer.http.structured_outputs import check_constraint, grammar_field
 from himamba.services.tokenizer.http.tokenize_routes import (
     DetokenizeBody,
     TokenizeBody,
@@ -106,6 +107,10 @@ class FrontDoor(Protocol):
     def metrics_text(self) -> str: ...
 
     async def open_stream(self, req: GenerateRequest) -> ReplyStream: ...
+
+    async def check_grammar(self, spec: GrammarSpec) -> None:
+        """ValueError when `spec` does not build for this model (off the event loop, cached)."""
+        ...
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -310,6 +315,7 @@ class HttpServer:
         prompts = completion_prompts(body)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         sampling = sampling_of(body, body.max_tokens, ask.logprobs, self.door.sampling_defaults.values(), ask)
+        await check_constraint(sampling.grammar, lambda: grammar_field(body), self.door.check_grammar)
         reqs, builders = [], []
         for i, prompt in enumerate(prompts):
             reqs.append(
@@ -356,7 +362,7 @@ class HttpServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body, _ = decode_body(await read_body(request, self.cfg.body_timeout_s), ChatBody)
         self._check_model(body.model)
-        chat = self.chat_request(body, f"chatcmpl-{uuid.uuid4().hex}")
+        chat = await self.chat_request(body, f"chatcmpl-{uuid.uuid4().hex}")
         builder = self._builder(
             "chat", chat.req.rid, body.return_token_ids, body.logprobs, chat.req.input_ids, body.n,
             ask=chat.ask, tokens_as_ids=body.return_tokens_as_token_ids, shaping=chat.shaping,
@@ -364,9 +370,9 @@ class HttpServer:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return await self._serve(request, chat.req, builder, include_usage)
 
-    def chat_request(self, body: ChatBody, rid: str) -> ChatRequest:
-        """A chat body checked, rendered by the chat template and tokenized (the Responses API
-        builds its requests here too)."""
+    async def chat_request(self, body: ChatBody, rid: str) -> ChatRequest:
+        """A chat body checked (its constraint built off the event loop), rendered by the chat
+        template and tokenized (the Responses API builds its requests here too)."""
         messages = chat_messages(body)
         ask = chat_logprobs_ask(body)
         parsing = self._chat_parsing(self.door.chat_template)
@@ -386,14 +392,11 @@ class HttpServer:
         if not input_ids:
             raise ApiError(400, "the chat template rendered an empty prompt", param="messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        req = GenerateRequest(
-            rid=rid,
-            input_ids=input_ids,
-            sampling=parsing.constrain(
-                sampling_of(body, max_tokens, body.logprobs, self.door.sampling_defaults.values(), ask), plan
-            ),
-            stream=body.stream,
-        )
+        own = sampling_of(body, max_tokens, body.logprobs, self.door.sampling_defaults.values(), ask)
+        sampling = parsing.constrain(own, plan)
+        field = (lambda: grammar_field(body)) if own.grammar is not None else (lambda: "tools")
+        await check_constraint(sampling.grammar, field, self.door.check_grammar)
+        req = GenerateRequest(rid=rid, input_ids=input_ids, sampling=sampling, stream=body.stream)
         return ChatRequest(req, ask, parsing.shaping(plan, body.tools, text))
 
     def _chat_parsing(self, template: ChatTemplate | None) -> ChatParsing:

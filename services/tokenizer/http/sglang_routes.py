@@ -35,12 +35,16 @@ from tokenizers import Tokenizer
 
 from himamba.common.config import Config, to_toml_dict
 from himamba.common.messages import CacheFlushed, ErrorReply, GenerateChunk, GenerateRequest, WorkerInfo
-from himamba.common.types import SamplingParams, Usage
+from himamba.common.types import GrammarSpec, SamplingParams, Usage
 from himamba.services.tokenizer.generation_defaults import SamplingDefaults
 from himamba.services.tokenizer.http.bodies import API_DEFAULTS
 from himamba.services.tokenizer.http.connections import read_body
 from himamba.services.tokenizer.http.errors import ApiError, param_of_message
-from himamba.services.tokenizer.http.structured_outputs import sglang_sampling_grammar
+from himamba.services.tokenizer.http.structured_outputs import (
+    check_constraint,
+    sglang_grammar_field,
+    sglang_sampling_grammar,
+)
 from himamba.services.tokenizer.local_clients import ReplyStream
 from himamba.services.tokenizer.peers import Readiness
 
@@ -72,6 +76,8 @@ class SglangDoor(Protocol):
     async def open_stream(self, req: GenerateRequest) -> ReplyStream: ...
 
     async def flush_cache(self) -> CacheFlushed: ...
+
+    async def check_grammar(self, spec: GrammarSpec) -> None: ...
 
 
 # ---------------------------------------------------------------- request bodies
@@ -442,6 +448,8 @@ class SglangRoutes:
             raise ApiError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
         text, input_ids = _prompt(body)
         sampling = _sampling(body, self.door.sampling_defaults.values())
+        field = lambda: sglang_grammar_field(body.sampling_params)  # noqa: E731
+        await check_constraint(sampling.grammar, field, self.door.check_grammar)
         rid = body.rid or uuid.uuid4().hex
         req = GenerateRequest(rid=rid[:256], prompt=text, input_ids=input_ids, sampling=sampling, stream=body.stream)
         started = time.monotonic()

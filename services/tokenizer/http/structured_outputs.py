@@ -7,22 +7,23 @@ Accepted, on /v1/completions and /v1/chat/completions alike:
   `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`;
 - sglang: `json_schema`, `regex`, `ebnf` (and in /generate's `sampling_params`).
 
-At most one constraint per request. A malformed or unbuildable one is a 400 naming its field.
+At most one constraint per request. A malformed one is a 400 naming its field here; whether it
+builds is checked by the front door (in a thread: a build can take seconds), through
+`check_constraint`, which names the field too.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 
-from himamba.common.grammar import GrammarChecks, grammar_thread_pool
 from himamba.common.types import GrammarKind, GrammarSpec
 from himamba.services.tokenizer.http.errors import ApiError
 
-_CHECKS = GrammarChecks()  # the grammar on its own; the front door checks it against the tokenizer too
-_CHECK_POOL = grammar_thread_pool("grammar-parse")  # a build's stack, never the event loop's thread's
+GrammarCheck = Callable[[GrammarSpec], Awaitable[None]]
 
 
 class StructuredOutputFields(msgspec.Struct, frozen=True, kw_only=True):
@@ -109,7 +110,18 @@ def _spec(kind: GrammarKind, value: Any, field: str) -> GrammarSpec:
 
 def grammar_of(body: StructuredOutputFields) -> GrammarSpec | None:
     """The one constraint a body asks for (None: unconstrained); ApiError 400 naming the field
-    when there are several, or the one given does not build."""
+    when there are several, or the one given is malformed."""
+    got = _one(_found(body))
+    return got[1] if got is not None else None
+
+
+def grammar_field(body: StructuredOutputFields) -> str:
+    """The field `grammar_of(body)` came from (for messages)."""
+    got = _one(_found(body))
+    return got[0] if got is not None else "structured_outputs"
+
+
+def _found(body: StructuredOutputFields) -> list[tuple[str, GrammarSpec]]:
     found: list[tuple[str, GrammarSpec]] = []
     if body.response_format is not None:
         got = _response_format(body.response_format)
@@ -129,21 +141,32 @@ def grammar_of(body: StructuredOutputFields) -> GrammarSpec | None:
         value = getattr(body, field)
         if value is not None:
             found.append((field, _spec(kind, value, field)))  # type: ignore[arg-type]
-    return _one(found)
+    return found
 
 
-def sglang_sampling_grammar(sampling_params: Any) -> GrammarSpec | None:
-    """The constraint of sglang's /generate `sampling_params` (`json_schema` as text, `regex`,
-    `ebnf`); ApiError 400 naming the field as `grammar_of` does."""
+def _sglang_found(sampling_params: Any) -> list[tuple[str, GrammarSpec]]:
     found: list[tuple[str, GrammarSpec]] = []
     for name, kind in (("json_schema", "json_schema"), ("regex", "regex"), ("ebnf", "ebnf")):
         value = getattr(sampling_params, name)
         if value is not None:
             found.append((name, _spec(kind, value, name)))  # type: ignore[arg-type]
-    return _one(found)
+    return found
 
 
-def _one(found: list[tuple[str, GrammarSpec]]) -> GrammarSpec | None:
+def sglang_sampling_grammar(sampling_params: Any) -> GrammarSpec | None:
+    """The constraint of sglang's /generate `sampling_params` (`json_schema` as text, `regex`,
+    `ebnf`); ApiError 400 naming the field as `grammar_of` does."""
+    got = _one(_sglang_found(sampling_params))
+    return got[1] if got is not None else None
+
+
+def sglang_grammar_field(sampling_params: Any) -> str:
+    """The field `sglang_sampling_grammar(sampling_params)` came from."""
+    got = _one(_sglang_found(sampling_params))
+    return got[0] if got is not None else "sampling_params"
+
+
+def _one(found: list[tuple[str, GrammarSpec]]) -> tuple[str, GrammarSpec] | None:
     if not found:
         return None
     if len(found) > 1:
@@ -151,9 +174,17 @@ def _one(found: list[tuple[str, GrammarSpec]]) -> GrammarSpec | None:
         raise ApiError(
             400, f"only one structured-output constraint may be given, got {names}", param=_param(found[1][0])
         )
-    field, spec = found[0]
+    return found[0]
+
+
+async def check_constraint(spec: GrammarSpec | None, field: Callable[[], str], check: GrammarCheck) -> None:
+    """ApiError 400 naming the field (`field()`) when `spec` does not build; the build runs off
+    the event loop (`check`: the front door's, cached, so the request's own check is free)."""
+    if spec is None:
+        return
     try:
-        _CHECK_POOL.submit(_CHECKS.check, spec).result()
+        await check(spec)
     except ValueError as e:
-        raise ApiError(400, f"{field}: {e}", param=_param(field), code="invalid_grammar") from None
-    return spec
+        name = field()
+        why = str(e).removeprefix("grammar: ")
+        raise ApiError(400, f"{name}: {why}", param=_param(name), code="invalid_grammar") from None
