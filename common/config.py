@@ -407,6 +407,15 @@ class HttpConfig(_Section):
     body_timeout_s: Annotated[
         float, msgspec.Meta(gt=0), doc("A request body must arrive within this, else 408.")
     ] = 30.0
+    shutdown_timeout_s: Annotated[
+        float,
+        msgspec.Meta(ge=0),
+        doc(
+            "On SIGTERM, in-flight requests get this long to finish (new ones are refused with 503); the rest "
+            "then end with a 503 'server shutting down' error.",
+            "--shutdown-timeout",
+        ),
+    ] = 10.0
     allowed_origins: Annotated[
         str,
         doc(

@@ -184,20 +184,30 @@ class InstanceLock:
     def __init__(self, cfg: Config, what: str):
         self.path = instance_dir(cfg) / f"{what}.lock"
         self._file: IO[str] | None = None
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        f = os.fdopen(fd, "r+")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            f = os.fdopen(fd, "r+")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    f.close()
+                    raise
+                holder = f.read().strip() or "?"
                 f.close()
-                raise
-            holder = f.read().strip() or "?"
+                raise RuntimeDirError(
+                    f"instance {instance_name(cfg)!r} is already running ({what}, pid {holder}): "
+                    f"choose another --port or --instance"
+                ) from None
+            # The holder before us removes the file as it stops (`remove`): a lock on a file no
+            # longer at the path locks nothing, so take the one that is there now.
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
             f.close()
-            raise RuntimeDirError(
-                f"instance {instance_name(cfg)!r} is already running ({what}, pid {holder}): "
-                f"choose another --port or --instance"
-            ) from None
         f.seek(0)
         f.truncate()
         f.write(f"{os.getpid()}\n")
@@ -208,3 +218,25 @@ class InstanceLock:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+    def remove(self) -> None:
+        """Release the lock and remove its file (a clean stop leaves no lock file behind)."""
+        if self._file is not None:
+            try:
+                self.path.unlink()  # while still held: the next holder locks a new file
+            except FileNotFoundError:
+                pass
+        self.release()
+
+
+def remove_runtime_files(cfg: Config) -> None:
+    """Remove the instance's socket and service lock files once every service has stopped (the
+    server's own lock goes with `InstanceLock.remove`). Only files of the instance directory."""
+    directory = instance_dir(cfg)
+    for field in SOCKETS:
+        endpoint = getattr(cfg.endpoints, field)
+        path = Path(endpoint.removeprefix("ipc://")) if endpoint.startswith("ipc://") else None
+        if path is not None and path.parent == directory:
+            path.unlink(missing_ok=True)
+    for name in ("worker", "cache", "scheduler", "tokenizer"):
+        (directory / f"{name}.lock").unlink(missing_ok=True)

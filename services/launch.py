@@ -1,6 +1,11 @@
 """`himamba serve`: start the four services as child processes, wait until each is ready,
 then supervise: a child that dies takes the others down (exit code 1, naming it); SIGINT or
-SIGTERM stops every child within a few seconds (exit code 0).
+SIGTERM stops them in order (exit code 0): the front door first, which refuses new requests and
+gives those in flight `--shutdown-timeout` to finish (then ends them with a 503), then the back
+end. Each stage has its own grace beyond that (a service is killed only past it), and one final
+line says how the stop went. The temporary config (it can hold the API key and a store password)
+is removed as soon as every service has read it; a clean stop also removes the instance's
+sockets and lock files.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ import zmq
 from himamba.common.config import Config, ConfigError, HttpConfig, encode
 from himamba.common.messages import Fatal, Ready, ToLauncher
 from himamba.common.openmp_wait import openmp_wait_env
-from himamba.common.runtime_dir import InstanceLock
+from himamba.common.runtime_dir import InstanceLock, remove_runtime_files
 
 SERVICES = ("worker", "cache", "scheduler", "tokenizer")
-_STOP_GRACE_S = 4.5
+# What a service may take to stop once asked, beyond the front door's drain: closing sockets and
+# exiting the interpreter (torch's teardown alone takes 1-3 s on a loaded machine).
+SERVICE_STOP_S = 15.0
 
 
 class Child(NamedTuple):
@@ -82,6 +89,7 @@ class Launcher:
                 self.log.info("started %s (pid %d)", name, proc.pid)
             code = self._wait_ready()
             if code is None:
+                self._tmp.cleanup()  # every service has read it: secrets do not outlive startup
                 self._announce()
                 code = self._supervise()
             return code
@@ -90,7 +98,9 @@ class Launcher:
             self.control.close(0)
             self.ctx.term()
             self._tmp.cleanup()
-            self._lock.release()
+            if all(c.proc.poll() is not None for c in self.children):
+                remove_runtime_files(self.cfg)
+            self._lock.remove()
 
     def _poll_control(self, timeout_ms: int) -> Ready | Fatal | None:
         if not self.control.poll(timeout_ms):
@@ -157,29 +167,41 @@ class Launcher:
                 return 1
 
     def _stop_all(self) -> None:
-        """Drain in dependency order: the front door first (it stops accepting and finishes or
-        aborts what is in flight), then the back end. Everything is gone within the grace period."""
-        deadline = time.monotonic() + _STOP_GRACE_S
-        # Process exit itself takes a second or two (torch teardown), so the back end is
-        # signalled together once the front door is gone, to overlap their exits.
-        for stage, share in (({"tokenizer"}, 0.55), ({"cache", "scheduler", "worker"}, 1.0)):
+        """Stop in dependency order: the front door first (it stops accepting and finishes or
+        aborts what is in flight within --shutdown-timeout), then the back end together (their
+        exits overlap). A service is killed only past its stage's grace; one line sums it up."""
+        started = time.monotonic()
+        # Asked to stop: SIGTERM, the services drain. A service died: SIGINT, they stop at once
+        # (what is in flight cannot finish without it; clients get their 503 now).
+        how = signal.SIGTERM if self._signal is not None else signal.SIGINT
+        drain_s = self.cfg.http.shutdown_timeout_s if how == signal.SIGTERM else 0.0
+        killed: list[str] = []
+        stages = (({"tokenizer"}, drain_s + SERVICE_STOP_S), ({"cache", "scheduler", "worker"}, SERVICE_STOP_S))
+        for stage, grace in stages:
             live = [c for c in self.children if c.name in stage and c.proc.poll() is None]
             for c in live:
                 try:
-                    c.proc.send_signal(signal.SIGTERM)
+                    c.proc.send_signal(how)
                 except ProcessLookupError:
                     pass
-            stage_end = time.monotonic() + share * max(0.0, deadline - time.monotonic()) if share < 1 else deadline
+            stage_end = time.monotonic() + grace
             for c in live:
                 try:
                     c.proc.wait(timeout=max(0.0, stage_end - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    if share < 1:
-                        continue  # a later stage's deadline still applies to it
                     self._kill(c)
+                    killed.append(c.name)
         for c in self.children:
             if c.proc.poll() is None:
                 self._kill(c)
+                killed.append(c.name)
+        if self.children:
+            self.log.info(
+                "stopped in %.1fs: %s exited; killed: %s",
+                time.monotonic() - started,
+                ", ".join(f"{c.name} ({c.proc.returncode})" for c in self.children),
+                ", ".join(killed) or "none",
+            )
 
     def _kill(self, c: Child) -> None:
         self.log.warning("%s (pid %d) did not stop in time; killing it", c.name, c.proc.pid)

@@ -50,6 +50,10 @@ class RequestTable:
     def __len__(self) -> int:
         return len(self._by_rid)
 
+    def request_count(self) -> int:
+        """Client requests in flight (a request of n samples counts once)."""
+        return len(self._by_request)
+
     def __contains__(self, rid: str) -> bool:
         return rid in self._by_rid
 

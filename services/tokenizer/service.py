@@ -135,6 +135,8 @@ class TokenizerService(Actor[ToTokenizer]):
         self.sampling_defaults = SamplingDefaults()  # generation_config.json's, for fields a request leaves out
         self._http: HttpServer | None = None
         self._draining = False
+        self._drained_from: int | None = None  # requests in flight when the drain began
+        self.drain_timeout_s = cfg.http.shutdown_timeout_s
         self._loaded: LoadedTokenizer | None = None
         self._markup_ids: frozenset[int] = frozenset()  # special tokens the output parsers read
         self._vocab_size = 0
@@ -243,8 +245,9 @@ class TokenizerService(Actor[ToTokenizer]):
         """
         self._draining = True
         deadline = time.monotonic() + timeout_s
+        self._drained_from = self.table.request_count()
         if self.table:
-            self.log.info("draining: waiting up to %.1fs for %d request(s)", timeout_s, len(self.table))
+            self.log.info("draining: waiting up to %.1fs for %d request(s)", timeout_s, self._drained_from)
         while self.table and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
@@ -252,6 +255,14 @@ class TokenizerService(Actor[ToTokenizer]):
         # Tell clients still waiting that no answer is coming, rather than leaving them hanging,
         # and the scheduler to free what they hold (it may be stopping too: best effort).
         told: set[tuple[bytes, str]] = set()
+        aborted = self.table.request_count()
+        if self._drained_from is not None:  # one line for the operator: what the stop did to clients
+            self.log.info(
+                "shutdown: %d request(s) in flight at SIGTERM, %d finished, %d aborted with 503",
+                self._drained_from,
+                max(0, self._drained_from - aborted),
+                aborted,
+            )
         for entry in self.table.entries():
             self.table.pop(entry.rid)
             try:
