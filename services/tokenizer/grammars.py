@@ -1,26 +1,30 @@
 """The front door's check of structured-output requests (ZeroMQ and HTTP alike).
 
-Each grammar is built once against the served tokenizer (an LRU per (kind, spec)), in a thread
-with the stack a build needs, so the event loop keeps serving, before its request is queued: an
-invalid one is a 400. The worker is then told to build it too (`PrepareGrammar`), so the
-request's first step finds it built.
+Each grammar is built once against the served tokenizer (an LRU per (kind, spec)), in a child
+process (a crash or a stall of the grammar library costs that request a 400, never the front
+door), before its request is queued: an invalid one is a 400. The worker is then told to build it
+too (`PrepareGrammar`), and the request is queued once it has (`GrammarReady`).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import llguidance
-
-from himamba.common.grammar import GrammarChecks, grammar_thread_pool, make_tokenizer
+from himamba.common.grammar import CHECK_CACHE_SIZE, spec_key
 from himamba.common.types import GrammarSpec
+from himamba.services.tokenizer.grammar_process import GrammarCheckProcess, TokenizerSource
+
+_NOT_AVAILABLE = "structured outputs are not available"  # a verdict on the tokenizer: not remembered
 
 
 class FrontDoorGrammars:
-    """Checks grammars against the served tokenizer; `vocab_size` and `eos_token_ids` are read
-    at the first check (the worker's WorkerInfo may have updated them by then)."""
+    """Checks grammars against the served tokenizer, in a child process (`grammar_process.py`),
+    remembering the last CHECK_CACHE_SIZE verdicts; `vocab_size` and `eos_token_ids` are read at
+    the first check (the worker's WorkerInfo may have updated them by then)."""
 
     def __init__(
         self, tokenizer_json: Path, vocab_size: Callable[[], int], eos_token_ids: Callable[[], list[int]]
@@ -28,15 +32,32 @@ class FrontDoorGrammars:
         self._path = tokenizer_json
         self._vocab_size = vocab_size
         self._eos = eos_token_ids
-        self.checks = GrammarChecks(self._tokenizer)
-        self._pool = grammar_thread_pool("grammar-check")
+        self.process: GrammarCheckProcess | None = None
+        self._seen: OrderedDict[bytes, str] = OrderedDict()  # spec_key -> verdict ("" when valid)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")  # waits on the child
 
-    def _tokenizer(self) -> llguidance.LLTokenizer:
-        return make_tokenizer(self._path.read_text(encoding="utf-8"), self._vocab_size(), self._eos())
+    def _verdict(self, spec: GrammarSpec) -> str:
+        key = spec_key(spec)
+        verdict = self._seen.get(key)
+        if verdict is not None:
+            self._seen.move_to_end(key)
+            return verdict
+        if self.process is None:
+            self.process = GrammarCheckProcess(TokenizerSource(str(self._path), self._vocab_size(), self._eos()))
+        verdict = self.process.check(spec)
+        if not verdict.startswith(_NOT_AVAILABLE):
+            self._seen[key] = verdict
+            while len(self._seen) > CHECK_CACHE_SIZE:
+                self._seen.popitem(last=False)
+        return verdict
 
     async def check(self, spec: GrammarSpec) -> None:
         """Raise ValueError ("grammar: why") when `spec` cannot constrain this model's output."""
-        try:
-            await asyncio.wrap_future(self._pool.submit(self.checks.check, spec))
-        except ValueError as e:
-            raise ValueError(f"grammar: {e}") from None
+        verdict = await asyncio.wrap_future(self._pool.submit(self._verdict, spec))
+        if verdict:
+            raise ValueError(f"grammar: {verdict}")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.process is not None:
+            self.process.close()

@@ -283,6 +283,8 @@ class TokenizerService(Actor[ToTokenizer]):
             self._worker.close()
         if self._flusher is not None:
             self._flusher.close()
+        if getattr(self, "_grammars", None) is not None:
+            self._grammars.close()
 
     # ------------------------------------------------------------ what the HTTP server uses
 
