@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import logging
 import socket
+import time
 from typing import Any, NamedTuple
 
 import zmq
@@ -137,6 +138,7 @@ class ClientSocket:
         self.max_connections = max_connections
         self.refused = 0  # connections shut down because the cap was full
         self._live: dict[int, None] = {}  # descriptors of the open connections, oldest first
+        self._pruned_at = 0.0
         self.router = ctx.socket(zmq.ROUTER)
         self._auth = None
         if curve is not None:
@@ -203,6 +205,8 @@ class ClientSocket:
             if event["event"] == zmq.EVENT_ACCEPTED:
                 self._live[fd] = None
                 if len(self._live) > self.max_connections:
+                    self._prune()
+                if len(self._live) > self.max_connections:
                     self._refuse(fd)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self._live.pop(fd, None)
@@ -215,28 +219,51 @@ class ClientSocket:
         """Open client connections (as the monitor has reported them so far)."""
         return len(self._live)
 
+    def _prune(self) -> None:
+        """Forget descriptors that are no longer connections of this listener: the monitor drops
+        events when its queue is full (a flood), and a lost DISCONNECTED would count a closed
+        connection forever. At most once a second (it looks at every counted descriptor)."""
+        now = time.monotonic()
+        if now - self._pruned_at < 1.0:
+            return
+        self._pruned_at = now
+        for fd in [fd for fd in self._live if not self._is_ours(fd)]:
+            del self._live[fd]
+
+    def _is_ours(self, fd: int) -> bool:
+        """Whether `fd` is (still) a connection accepted by this listener."""
+        try:
+            conn = socket.socket(fileno=fd)  # no new descriptor: a view of libzmq's
+        except OSError:
+            return False
+        try:
+            return _local_address_of(conn) == self._local
+        except OSError:
+            return False
+        finally:
+            conn.detach()
+
     def _refuse(self, fd: int) -> None:
         """Shut down the connection just accepted on `fd`: its DISCONNECTED follows. Only when
         `fd` is still a connection of this listener (libzmq may have closed it, and the kernel
         given the number to another file, since the event was sent)."""
+        if not self._is_ours(fd):
+            self._live.pop(fd, None)
+            return
+        conn = socket.socket(fileno=fd)
         try:
-            conn = socket.socket(fileno=fd)  # no new descriptor: a view of libzmq's
+            conn.shutdown(socket.SHUT_RDWR)
         except OSError:
             return
-        try:
-            if _local_address_of(conn) == self._local:
-                conn.shutdown(socket.SHUT_RDWR)
-                self.refused += 1
-                if self.refused == 1 or self.refused % 1000 == 0:
-                    log.warning(
-                        "ZeroMQ client connection cap (%d) reached: closed %d new connection(s) so far",
-                        self.max_connections,
-                        self.refused,
-                    )
-        except OSError:
-            pass
         finally:
             conn.detach()
+        self.refused += 1
+        if self.refused == 1 or self.refused % 1000 == 0:
+            log.warning(
+                "ZeroMQ client connection cap (%d) reached: closed %d new connection(s) so far",
+                self.max_connections,
+                self.refused,
+            )
 
     def close(self) -> None:
         if self._auth is not None:
