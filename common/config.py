@@ -500,7 +500,11 @@ def load(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | 
     raw: dict[str, Any] = {}
     if path is not None:
         with open(path, "rb") as f:
-            raw = msgspec.json.decode(f.read()) if str(path).endswith(".json") else tomllib.load(f)
+            data = f.read()
+        # JSON by name, or by content (`serve` hands its services the config through a pipe,
+        # /dev/fd/N; no TOML document starts with "{").
+        is_json = str(path).endswith(".json") or data.lstrip()[:1] == b"{"
+        raw = msgspec.json.decode(data) if is_json else tomllib.loads(data.decode("utf-8"))
     for section, fields in (overrides or {}).items():
         raw.setdefault(section, {}).update(fields)
     try:

@@ -3,9 +3,9 @@ then supervise: a child that dies takes the others down (exit code 1, naming it)
 SIGTERM stops them in order (exit code 0): the front door first, which refuses new requests and
 gives those in flight `--shutdown-timeout` to finish (then ends them with a 503), then the back
 end. Each stage has its own grace beyond that (a service is killed only past it), and one final
-line says how the stop went. The temporary config (it can hold the API key and a store password)
-is removed as soon as every service has read it; a clean stop also removes the instance's
-sockets and lock files.
+line says how the stop went. Each service reads the config from a pipe (it can hold the API key
+and a store password: it is never written to disk); a clean stop removes the instance's sockets
+and lock files.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -62,8 +62,6 @@ class Launcher:
         except ConfigError:
             self._lock.release()
             raise
-        self._tmp = tempfile.TemporaryDirectory(prefix="himamba-")
-        self.config_path = Path(self._tmp.name) / "config.json"
         self.ctx = zmq.Context()
         self.control = self.ctx.socket(zmq.PULL)
         self.control.setsockopt(zmq.LINGER, 0)
@@ -82,14 +80,24 @@ class Launcher:
         try:
             if prepare is not None:
                 self.cfg = prepare(self.cfg)
-            self.config_path.write_bytes(encode(self.cfg))
+            config = encode(self.cfg)
             for name in SERVICES:
-                proc = subprocess.Popen(child_command(name, self.config_path), env=_child_env(name, self.cfg))
+                # The config (it can hold the API key and a store password) goes through a pipe:
+                # it is never written to disk, so no killed launcher leaves it behind.
+                read_end, write_end = os.pipe()
+                try:
+                    proc = subprocess.Popen(
+                        child_command(name, Path(f"/dev/fd/{read_end}")),
+                        env=_child_env(name, self.cfg),
+                        pass_fds=(read_end,),
+                    )
+                finally:
+                    os.close(read_end)
+                threading.Thread(target=_feed, args=(write_end, config), name=f"config-{name}", daemon=True).start()
                 self.children.append(Child(name, proc))
                 self.log.info("started %s (pid %d)", name, proc.pid)
             code = self._wait_ready()
             if code is None:
-                self._tmp.cleanup()  # every service has read it: secrets do not outlive startup
                 self._announce()
                 code = self._supervise()
             return code
@@ -97,7 +105,6 @@ class Launcher:
             self._stop_all()
             self.control.close(0)
             self.ctx.term()
-            self._tmp.cleanup()
             if all(c.proc.poll() is not None for c in self.children):
                 remove_runtime_files(self.cfg)
             self._lock.remove()
@@ -207,6 +214,16 @@ class Launcher:
         self.log.warning("%s (pid %d) did not stop in time; killing it", c.name, c.proc.pid)
         c.proc.kill()
         c.proc.wait()
+
+
+def _feed(fd: int, data: bytes) -> None:
+    """Write a child's config into its pipe (a thread: a config larger than the pipe's buffer
+    waits for the child to read)."""
+    with os.fdopen(fd, "wb") as pipe:
+        try:
+            pipe.write(data)
+        except BrokenPipeError:  # the child died before reading it: supervision reports that
+            pass
 
 
 def check_port_free(http: HttpConfig) -> None:
