@@ -145,7 +145,8 @@ class TokenizerService(Actor[ToTokenizer]):
         self._worker: Outbox | None = None
         self._flusher: CacheFlusher | None = None
         self.worker_info: WorkerInfo | None = None
-        self._grammar_waiters: dict[bytes, asyncio.Future[None]] = {}  # spec_key -> the worker built it
+        # spec_key -> (the grammar, resolved when the worker built it)
+        self._grammar_waiters: dict[bytes, tuple[GrammarSpec, asyncio.Future[None]]] = {}
         self._clients: ClientSocket | None = None
         self._decoder: Decoder[Any] = Decoder(ClientRequest)
         self._encoder = msgspec.msgpack.Encoder()
@@ -331,6 +332,9 @@ class TokenizerService(Actor[ToTokenizer]):
                 for out in outs:
                     await self._on_token_out(out)
             case WorkerInfo():
+                if self.worker_info is not None and msg.pid != self.worker_info.pid and self._worker is not None:
+                    for grammar, _ in list(self._grammar_waiters.values()):  # a new worker: ask it again
+                        await self._worker.send(PrepareGrammar(grammar=grammar))
                 self.worker_info = msg  # the pools' sizes, for /server_info
                 self._vocab_size = msg.vocab_size
                 if not self._eos_token_ids:
@@ -340,7 +344,7 @@ class TokenizerService(Actor[ToTokenizer]):
                 self._note_peer(service, "Ready")
                 await self._note_pid(service, pid)
             case GrammarReady(key=key):
-                waiter = self._grammar_waiters.pop(key, None)
+                _, waiter = self._grammar_waiters.pop(key, (None, None))
                 if waiter is not None and not waiter.done():
                     waiter.set_result(None)
             case CacheFlushed():
@@ -480,23 +484,26 @@ class TokenizerService(Actor[ToTokenizer]):
     async def _grammar_built(self, grammar: GrammarSpec) -> None:
         """Have the worker build `grammar` and wait until it has: a request is queued only then,
         so no step of the worker waits for a build (every other request keeps stepping while it
-        runs). Bounded by GRAMMAR_READY_TIMEOUT_S: a worker that restarted lost the ask, and the
-        request's first step then waits for the build instead."""
+        runs). A worker that restarts is asked again; bounded by GRAMMAR_READY_TIMEOUT_S all the same
+        (the request's first step then waits for the build instead)."""
         if self._worker is None:
             return
         if self.worker_info is None:  # no worker has said it is up: a hint it may read later
             await self._worker.send(PrepareGrammar(grammar=grammar))
             return
         key = spec_key(grammar)
-        waiter = self._grammar_waiters.get(key)
-        if waiter is None:
-            waiter = self._grammar_waiters[key] = asyncio.get_running_loop().create_future()
+        pending = self._grammar_waiters.get(key)
+        if pending is not None:
+            waiter = pending[1]
+        else:
+            waiter = asyncio.get_running_loop().create_future()
+            self._grammar_waiters[key] = (grammar, waiter)
             await self._worker.send(PrepareGrammar(grammar=grammar))
         try:
             await asyncio.wait_for(asyncio.shield(waiter), GRAMMAR_READY_TIMEOUT_S)
         except TimeoutError:
             self.log.warning("the worker did not report a grammar built within %gs", GRAMMAR_READY_TIMEOUT_S)
-            if self._grammar_waiters.get(key) is waiter:
+            if self._grammar_waiters.get(key, (None, None))[1] is waiter:
                 del self._grammar_waiters[key]
 
     def _check_samples_fit(self, n: int) -> None:

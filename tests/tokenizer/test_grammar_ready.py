@@ -1,0 +1,73 @@
+"""A constrained request is queued only once the worker reports its grammar built
+(`GrammarReady`), and a worker that restarts meanwhile is asked again: a real TokenizerService,
+a fake scheduler and a fake worker that answers when the test says so."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+from tokenizers import Tokenizer
+
+from himamba.common.client import Client
+from himamba.common.grammar import spec_key
+from himamba.common.messages import AddRequest, GrammarReady, PrepareGrammar, ToWorker, WorkerInfo
+from himamba.common.types import GrammarSpec
+from tests.tokenizer.conftest import CACHED, MAX_CONTEXT_LEN, REPLY_TEXT
+from tests.tokenizer.fakes import FakeScheduler, running_service, service_config
+
+
+def _info(tokenizer: Tokenizer, pid: int) -> WorkerInfo:
+    return WorkerInfo(
+        vocab_size=tokenizer.get_vocab_size(), eos_token_ids=[0], num_attention_layers=1, num_recurrent_layers=1,
+        kv_bytes_per_token=1, state_bytes_per_slot=1, num_pages=64, num_state_slots=16, num_host_pages=0,
+        num_host_state_slots=0, model_name="fake", pid=pid,
+    )  # fmt: skip
+
+
+def test_a_grammar_request_waits_for_the_worker_and_a_restarted_worker_is_asked_again(
+    model_dir: Path, demo_tokenizer: Tokenizer
+) -> None:
+    cfg = service_config(model_dir, MAX_CONTEXT_LEN)
+    scheduler = FakeScheduler(cfg, demo_tokenizer, REPLY_TEXT, CACHED)
+    ctx = zmq.Context()
+    worker_in = ctx.socket(zmq.PULL)
+    worker_in.bind(cfg.endpoints.worker_ipc)
+    to_door = ctx.socket(zmq.PUSH)
+    to_door.connect(cfg.endpoints.tokenizer_ipc)
+    decode = msgspec.msgpack.Decoder(ToWorker).decode
+    grammar = GrammarSpec(kind="regex", spec="[a-z ]+")
+
+    def next_prepare(timeout_s: float = 30) -> PrepareGrammar:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if worker_in.poll(200):
+                msg = decode(worker_in.recv())
+                if isinstance(msg, PrepareGrammar):
+                    return msg
+        raise AssertionError("no PrepareGrammar reached the worker")
+
+    try:
+        with running_service(cfg), Client(cfg.endpoints.zmq_endpoint, timeout_s=60) as c:
+            to_door.send(msgspec.msgpack.encode(_info(demo_tokenizer, pid=101)))
+            got: list[object] = []
+            asking = threading.Thread(
+                target=lambda: got.append(c.generate(input_ids=[5, 6, 7], max_tokens=3, grammar=grammar))
+            )
+            asking.start()
+            assert next_prepare().grammar == grammar
+            time.sleep(1.0)  # the door holds the request: nothing reached the scheduler
+            assert not [m for m in scheduler.received if isinstance(m, AddRequest)]
+            to_door.send(msgspec.msgpack.encode(_info(demo_tokenizer, pid=202)))  # the worker restarted
+            assert next_prepare().grammar == grammar  # and is asked again
+            to_door.send(msgspec.msgpack.encode(GrammarReady(key=spec_key(grammar))))
+            asking.join(60)
+            assert len(got) == 1, got
+            out = got[0]
+            assert out.finish_reason == "length" and len(out.token_ids) == 3  # type: ignore[attr-defined]
+    finally:
+        scheduler.close()
+        ctx.destroy(linger=0)
