@@ -254,6 +254,19 @@ def test_two_authorization_headers_are_a_400_whichever_comes_first(harness: Harn
     assert resp.status == 400 and "Authorization" in err["message"], (resp.status, err)
 
 
+def test_the_same_authorization_header_twice_is_one_key(harness: Harness):
+    """sglang's router sends its own Authorization header beside the client's: the same key twice agrees."""
+    conn = http.client.HTTPConnection("127.0.0.1", harness.port, timeout=30)
+    conn.putrequest("GET", "/v1/models")
+    for _ in range(2):
+        conn.putheader("Authorization", f"Bearer {harness.api_key}")
+    conn.endheaders()
+    resp = conn.getresponse()
+    resp.read()
+    conn.close()
+    assert resp.status == 200
+
+
 def test_unknown_routes_and_methods(harness: Harness):
     _assert_error(harness.get("/v1/nothing"), 404)
     _assert_error(harness.get("/v1/completions"), 405)

@@ -157,8 +157,9 @@ class MalformedRequestFilter(logging.Filter):
             return True
         self.count += 1
         if self.count == 1 or self.count % 1000 == 0:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            self.log.warning("malformed HTTP request answered 400 (%d so far): %s", self.count, first)
+            # aiohttp puts the reason on the lines after "400, message:": one line, bounded.
+            why = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())[:300]
+            self.log.warning("malformed HTTP request answered 400 (%d so far): %s", self.count, why or type(exc).__name__)
         return False
 
 

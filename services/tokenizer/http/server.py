@@ -6,7 +6,7 @@ POST /tokenize, POST /detokenize, GET /version (vLLM's; tokenize_routes.py); COR
 Every generation goes through the front door's own request path (`FrontDoor.open_stream`), so
 HTTP and ZeroMQ clients behave the same; a client that disconnects aborts its request.
 Errors use OpenAI's shape. With an API key set, every route requires `Authorization: Bearer <key>`
-except /health and /metrics (probes and scrapers carry no key); two such headers are a 400.
+except /health and /metrics (probes and scrapers carry no key); two such headers that differ are a 400.
 sglang's native routes (/generate, /server_info, /flush_cache, ...) are in sglang_routes.py, OpenAI's
 Responses API (/v1/responses) in responses_routes.py.
 """
@@ -246,8 +246,9 @@ class HttpServer:
         if not self.cfg.api_key:
             return
         given = request.headers.getall("Authorization", [])
-        if len(given) > 1:
-            # Judged by one of them, a proxy that judged the other would disagree with us.
+        if len(set(given)) > 1:
+            # Judged by one of them, a proxy that judged the other would disagree with us. The same
+            # header twice is no disagreement: sglang's router adds its own beside the client's.
             raise ApiError(400, "more than one Authorization header", code="invalid_api_key")
         header = given[0] if given else ""
         scheme, _, key = header.partition(" ")
