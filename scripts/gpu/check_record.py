@@ -23,7 +23,9 @@ def test_counts(log: str) -> dict[str, int]:
     """Outcomes of a `pytest -v` log so far (complete or cut off by a timeout)."""
     counts = dict.fromkeys(OUTCOMES, 0)
     # `path::test OUTCOME` (plain -v) or `[gwN] [ p%] OUTCOME path::test` (pytest-xdist)
-    for m in re.finditer(r"::\S+ (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)|\] (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) \S+::", log):
+    for m in re.finditer(
+        r"::\S+ (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)|\] (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) \S+::", log
+    ):
         counts[m.group(1) or m.group(2)] += 1
     return {k: v for k, v in counts.items() if v}
 
@@ -59,7 +61,9 @@ def _num(v: object) -> str:
     return str(v).replace(" ", "_")
 
 
-def record(results: Path, name: str, kind: str, rc: int, seconds: float, limit: int, log_path: str, figures_path: str) -> str:
+def record(
+    results: Path, name: str, kind: str, rc: int, seconds: float, limit: int, log_path: str, figures_path: str
+) -> str:
     timed_out = rc in (124, 137)
     entry: dict = {"name": name, "seconds": round(seconds, 1), "limit_s": limit, "rc": rc}
     if kind == "skip":

@@ -105,7 +105,6 @@ def machine_rates(device: torch.device, dtype: torch.dtype, rehearse: bool) -> d
     x = torch.randn(size, size, device=device, dtype=dtype)
     y = torch.randn(size, size, device=device, dtype=dtype)
     mm_s = timed(lambda: x @ y, device, 5)
-    del a, b, x, y
     return {"copy_bytes_per_s": 2 * n / copy_s, "matmul_flop_per_s": 2 * size**3 / mm_s}
 
 
@@ -257,7 +256,9 @@ def main() -> int:
         batches, lengths, context, steps = [1, 4], [64], 32, 3
     torch.manual_seed(0)
     rates = machine_rates(device, dtype, a.rehearse)
-    progress(f"copy {rates['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {rates['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s")
+    progress(
+        f"copy {rates['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {rates['matmul_flop_per_s'] / 1e12:.0f} TFLOP/s"
+    )
     model = build(a.rehearse, device, dtype)
     cost = model_cost(model)
     progress(f"model: {cost.params / 1e9:.2f}B params, {str(dtype)} on {device}")

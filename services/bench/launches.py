@@ -101,7 +101,9 @@ def measure(arch: str, experts: int | None, batches: list[int], prefill_seqs: li
     for n in prefill_seqs:
         engine = OurEngine(model, page_size=16, max_tokens=most * 64, max_seqs=2 * most + 2)
         seqs = [engine.new_seq() for _ in range(n)]
-        out["prefill"][str(n)] = _counted(engine, "prefill", seqs, [[(5 * i + j) % 500 + 1 for j in range(24)] for i in range(n)])
+        out["prefill"][str(n)] = _counted(
+            engine, "prefill", seqs, [[(5 * i + j) % 500 + 1 for j in range(24)] for i in range(n)]
+        )
     for b in batches:
         engine = OurEngine(model, page_size=16, max_tokens=most * 64, max_seqs=2 * most + 2)
         seqs = [engine.new_seq() for _ in range(b)]
@@ -146,7 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     if any(os.environ.get(k) != v for k, v in _ENV.items()):
         # The interpreter must be chosen before triton is first imported: run again with it.
         env = {**os.environ, **_ENV}
-        cmd = [sys.executable, "-P", "-m", "himamba.services.bench.launches", *(argv if argv is not None else sys.argv[1:])]
+        cmd = [
+            sys.executable,
+            "-P",
+            "-m",
+            "himamba.services.bench.launches",
+            *(argv if argv is not None else sys.argv[1:]),
+        ]
         return subprocess.run(cmd, env=env).returncode
     result = measure(a.arch, a.experts, a.batch, a.prefill_seqs)
     a.out.mkdir(parents=True, exist_ok=True)

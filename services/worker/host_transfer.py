@@ -154,7 +154,13 @@ class UnwrittenMemory:
         for s, pages in zip(seqs, _pages_of(tables, page_size)):
             read = pages[: -(-s.prefix_len // page_size)]
             bad = self.dev_pages.intersection(read)
-            src = s.state_src if s.state_init == "copy" else s.state_slot if s.state_init == "keep" and s.prefix_len else None
+            src = (
+                s.state_src
+                if s.state_init == "copy"
+                else s.state_slot
+                if s.state_init == "keep" and s.prefix_len
+                else None
+            )
             if bad or (src is not None and src in self.dev_slots):
                 raise ValueError(f"{s.rid}: reads device memory that a failed copy order never wrote")
 
@@ -202,7 +208,11 @@ class HostTransfer:
     def describe(self) -> str:
         """How copy orders run, for the start-up log."""
         if self.packed:
-            return "host pools pinned (cudaHostRegister): copies are packed DMA runs" if self.pinned == "" else "packed runs"
+            return (
+                "host pools pinned (cudaHostRegister): copies are packed DMA runs"
+                if self.pinned == ""
+                else "packed runs"
+            )
         return f"host copies pageable ({self.pinned})"
 
     def run_orders(self, transfers: Sequence[Transfer]) -> TransferOutcome:

@@ -159,7 +159,9 @@ class PageTables:
             ps = self.page_size
             end = plan.page_start + k
             self._fit_columns(end * ps)
-            self.table[state.row, plan.page_start * ps : end * ps] = (new_pages.view(-1, 1) * ps + self._offsets).view(-1)
+            self.table[state.row, plan.page_start * ps : end * ps] = (new_pages.view(-1, 1) * ps + self._offsets).view(
+                -1
+            )
             state.num_pages = max(state.num_pages, end)
         if state.num_pages * self.page_size < plan.prefix_len + plan.new_len:
             raise WireError(f"{plan.rid}: {state.num_pages} pages cannot hold {plan.prefix_len + plan.new_len} tokens")

@@ -129,7 +129,10 @@ def test_paged_attention(device, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gated_delta_rule(device, dtype):
     L, Hk, Hv, dk, dv, B = S["tokens"] // 2, S["k_heads"], S["v_heads"], S["dk"], S["dv"], S["batch"] // 4 or 1
-    q, k = rand(1, L, Hk, dk, seed=1, device=device, dtype=dtype), rand(1, L, Hk, dk, seed=2, device=device, dtype=dtype)
+    q, k = (
+        rand(1, L, Hk, dk, seed=1, device=device, dtype=dtype),
+        rand(1, L, Hk, dk, seed=2, device=device, dtype=dtype),
+    )
     v = rand(1, L, Hv, dv, seed=3, device=device, dtype=dtype)
     g = -torch.nn.functional.softplus(rand(1, L, Hv, seed=4, device=device)).to(dtype)
     beta = torch.sigmoid(rand(1, L, Hv, seed=5, device=device)).to(dtype)

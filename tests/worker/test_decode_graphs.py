@@ -41,8 +41,6 @@ def _twins(tmp_path, family: str):
     return model, sides
 
 
-
-
 def test_buffers_give_what_a_fresh_step_gives(tmp_path):
     model, [(eager, eager_seqs), (buffered, buffered_seqs)] = _twins(tmp_path, "NemotronH")
     graphs = DecodeGraphs(
