@@ -12,7 +12,7 @@ import msgspec
 import zmq
 from tokenizers import Tokenizer
 
-from himamba.common.client import Client
+from himamba.common.client import Client, HimambaError
 from himamba.common.grammar import spec_key
 from himamba.common.messages import AddRequest, GrammarReady, PrepareGrammar, ToWorker, WorkerInfo
 from himamba.common.types import GrammarSpec
@@ -23,9 +23,29 @@ from tests.tokenizer.fakes import FakeScheduler, running_service, service_config
 def _info(tokenizer: Tokenizer, pid: int) -> WorkerInfo:
     return WorkerInfo(
         vocab_size=tokenizer.get_vocab_size(), eos_token_ids=[0], num_attention_layers=1, num_recurrent_layers=1,
-        kv_bytes_per_token=1, state_bytes_per_slot=1, num_pages=64, num_state_slots=16, num_host_pages=0,
+        kv_bytes_per_token=1, state_bytes_per_slot=1, num_pages=64, num_state_slots=4, num_host_pages=0,
         num_host_state_slots=0, model_name="fake", pid=pid,
     )  # fmt: skip
+
+
+def _add_requests(scheduler: FakeScheduler) -> int:
+    return len([m for m in scheduler.received if isinstance(m, AddRequest)])
+
+
+def _wait_until_the_door_knows_the_worker(c: Client, timeout_s: float = 30) -> None:
+    """The WorkerInfo travels on another connection than the client's request: until the door has
+    it, a grammar is only hinted to the worker and the request queued at once. Its 4 state slots
+    make n=16 a 400 once it has."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            c.generate_n(input_ids=[5, 6, 7], n=16, max_tokens=1)
+        except HimambaError as e:
+            if "n may be at most" in str(e):
+                return
+            raise
+        time.sleep(0.05)
+    raise AssertionError("the door never took the WorkerInfo")
 
 
 def test_a_grammar_request_waits_for_the_worker_and_a_restarted_worker_is_asked_again(
@@ -53,6 +73,8 @@ def test_a_grammar_request_waits_for_the_worker_and_a_restarted_worker_is_asked_
     try:
         with running_service(cfg), Client(cfg.endpoints.zmq_endpoint, timeout_s=60) as c:
             to_door.send(msgspec.msgpack.encode(_info(demo_tokenizer, pid=101)))
+            _wait_until_the_door_knows_the_worker(c)
+            queued = _add_requests(scheduler)
             got: list[object] = []
             asking = threading.Thread(
                 target=lambda: got.append(c.generate(input_ids=[5, 6, 7], max_tokens=3, grammar=grammar))
@@ -60,7 +82,7 @@ def test_a_grammar_request_waits_for_the_worker_and_a_restarted_worker_is_asked_
             asking.start()
             assert next_prepare().grammar == grammar
             time.sleep(1.0)  # the door holds the request: nothing reached the scheduler
-            assert not [m for m in scheduler.received if isinstance(m, AddRequest)]
+            assert _add_requests(scheduler) == queued
             to_door.send(msgspec.msgpack.encode(_info(demo_tokenizer, pid=202)))  # the worker restarted
             assert next_prepare().grammar == grammar  # and is asked again
             to_door.send(msgspec.msgpack.encode(GrammarReady(key=spec_key(grammar))))
