@@ -1,6 +1,8 @@
-"""Soak (only with HIMAMBA_SOAK=1; HIMAMBA_SOAK_MINUTES, default 10): chaos waves back to back for
-minutes. After every wave the keepers equal the no-cache reference and the pools drain clean;
-at the end the services' resident memory has not kept growing."""
+"""Soak: chaos waves back to back. After every wave the keepers equal the no-cache reference and the
+pools drain clean; at the end the services' resident memory has not kept growing.
+
+The suite runs a short soak (SHORT_WAVES waves: enough to pass warm-up and see a wave on warm caches);
+HIMAMBA_SOAK=1 runs it for HIMAMBA_SOAK_MINUTES (default 10) instead, which is where slow growth shows."""
 
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ from tests.reliability.chaos_wave import NUM_VICTIMS, run_wave
 from tests.reliability.pools import assert_nothing_leaked, wait_drained
 from tests.reliability.prompts import mixed_prompts
 
-pytestmark = pytest.mark.skipif(os.environ.get("HIMAMBA_SOAK") != "1", reason="a soak: set HIMAMBA_SOAK=1 to run it")
 KEEPERS = 24
+SHORT_WAVES = 12
 
 
 def _rss_kib(launcher_pid: int) -> dict[str, int]:
@@ -33,12 +35,12 @@ def _rss_kib(launcher_pid: int) -> dict[str, int]:
 
 
 def test_chaos_waves_for_minutes(served, reference_tokens):
-    minutes = float(os.environ.get("HIMAMBA_SOAK_MINUTES", "10"))
-    deadline = time.monotonic() + 60 * minutes
+    long_soak = os.environ.get("HIMAMBA_SOAK") == "1"
+    deadline = time.monotonic() + 60 * float(os.environ.get("HIMAMBA_SOAK_MINUTES", "10"))
     rng = random.Random(11)
     wave = 0
     baseline: dict[str, int] = {}
-    while time.monotonic() < deadline:
+    while (time.monotonic() < deadline) if long_soak else (wave < SHORT_WAVES):
         mix = mixed_prompts(KEEPERS + NUM_VICTIMS, seed=90_000 + wave, max_tokens=(2, 24))
         keepers, victims = mix[:KEEPERS], mix[KEEPERS:]
         got, _ = asyncio.run(run_wave(served, keepers, victims, rng))
