@@ -31,7 +31,7 @@ from typing import IO, Any, Protocol, TextIO
 
 import torch
 
-PEER_SCRIPT = Path(__file__).with_name("bench_peer_vllm.py")
+PEER_SCRIPT = Path(__file__).with_name("peer_vllm.py")
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class OursGenerate:
         self.engine = engine  # bench_forward.OurEngine
 
     def generate(self, prompts: list[list[int]], new_tokens: int, gaps: bool = False) -> Generated:
-        from himamba.services.worker.bench_forward import StepTimes
+        from himamba.bench.forward import StepTimes
 
         seqs = [self.engine.new_seq() for _ in prompts]
         times = StepTimes()

@@ -36,16 +36,7 @@ from typing import Any, TextIO
 
 import torch
 
-from himamba.common.config import Config
-from himamba.common.machine_info import cpu_model, vector_extensions
-from himamba.common.messages import RunBatch, SeqPlan
-from himamba.common.openmp_wait import USER_VARIABLES as OPENMP_WAIT_VARIABLES
-from himamba.common.openmp_wait import describe_openmp_wait, openmp_wait_env
-from himamba.common.types import SamplingParams
-from himamba.common.wire import tensor_frame, tensor_ref
-from himamba.kernels.dispatch import describe_cpu_kernels
-from himamba.services.modelgen.checkpoint import ARCHS, make_checkpoint
-from himamba.services.worker.bench_generate import (
+from himamba.bench.generate import (
     GenerateEngine,
     HFGenerate,
     OursGenerate,
@@ -55,7 +46,16 @@ from himamba.services.worker.bench_generate import (
     print_results,
     run_scenarios,
 )
-from himamba.services.worker.bench_generate import summary as generate_summary
+from himamba.bench.generate import summary as generate_summary
+from himamba.bench.machine_info import cpu_model, vector_extensions
+from himamba.common.config import Config
+from himamba.common.messages import RunBatch, SeqPlan
+from himamba.common.openmp_wait import USER_VARIABLES as OPENMP_WAIT_VARIABLES
+from himamba.common.openmp_wait import describe_openmp_wait, openmp_wait_env
+from himamba.common.types import SamplingParams
+from himamba.common.wire import tensor_frame, tensor_ref
+from himamba.kernels.dispatch import describe_cpu_kernels
+from himamba.services.modelgen.checkpoint import ARCHS, make_checkpoint
 from himamba.services.worker.heap_reuse import HeapReuse, reuse_heap
 from himamba.services.worker.layers.attention import PagedAttention
 from himamba.services.worker.layers.linear import Linear
@@ -975,7 +975,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse_args(args)
     env = wait_env(opts.omp_wait_policy, opts.omp_spin, os.environ)
     if any(env.get(name) != os.environ.get(name) for name in OPENMP_WAIT_VARIABLES):
-        return subprocess.call([sys.executable, "-m", "himamba.services.worker.bench_forward", *args], env=env)
+        return subprocess.call([sys.executable, "-m", "himamba.bench.forward", *args], env=env)
     try:
         summary = run(opts, sys.stdout, sys.stderr)
     except PeerError as e:
