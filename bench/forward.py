@@ -1,7 +1,7 @@
 """`himamba bench forward`: prefill and decode throughput of our worker against transformers (and vLLM).
 
 Two parts. The per-phase table (below) times single forward steps. The generate table
-(bench_generate.py) is the honest reference: each engine generating as its users run it —
+(generate.py) is the honest reference: each engine generating as its users run it —
 transformers' own `generate`, vLLM's CPU engine with `--peer vllm --peer-python PATH` — beside ours,
 with ratios, spread over alternating runs and greedy agreement up to the first near-tie.
 
@@ -48,6 +48,7 @@ from himamba.bench.generate import (
 )
 from himamba.bench.generate import summary as generate_summary
 from himamba.bench.machine_info import cpu_model, vector_extensions
+from himamba.bench.step_times import StepTimes
 from himamba.common.config import Config
 from himamba.common.messages import RunBatch, SeqPlan
 from himamba.common.openmp_wait import USER_VARIABLES as OPENMP_WAIT_VARIABLES
@@ -240,18 +241,6 @@ def model_cost(model: HybridModel) -> ModelCost:
 
 
 # ---------------------------------------------------------------- our worker, driven like the real one
-
-
-class StepTimes:
-    """Seconds spent per step in each part of the worker's step."""
-
-    def __init__(self) -> None:
-        self.build: list[float] = []
-        self.model: list[float] = []
-        self.sample: list[float] = []
-
-    def total(self) -> list[float]:
-        return [a + b + c for a, b, c in zip(self.build, self.model, self.sample, strict=True)]
 
 
 @dataclass

@@ -16,7 +16,8 @@ from typing import NamedTuple
 
 import torch
 
-from himamba.bench.forward import OurEngine, StepTimes
+from himamba.bench.forward import OurEngine
+from himamba.bench.step_times import StepTimes
 from himamba.bench.workload import WorkloadSpec
 from himamba.services.worker.loader import load_model
 
