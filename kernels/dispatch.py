@@ -23,11 +23,12 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import os
 from types import ModuleType
 
 from torch import Tensor
 
+# cuda_path and the variables are re-exported: callers ask the dispatcher which path they are on.
+from .code_path import CUDA_PATH_ENV, KERNEL_CHOICES, KERNELS_ENV, cuda_path, kernels_mode  # noqa: F401
 from .native import attention as _native_attention
 from .native import conv1d as _native_conv1d
 from .native import linear as _native_linear
@@ -50,24 +51,11 @@ from .reference.delta_rule import DeltaResult
 from .reference.moe import Routing
 from .reference.ssd import ScanResult
 
-KERNELS_ENV = "HIMAMBA_KERNELS"
-KERNEL_CHOICES = ("auto", "reference", "triton", "native")
-CUDA_PATH_ENV = "HIMAMBA_CUDA_PATH"
-
 
 @functools.cache
 def triton_installed() -> bool:
     """Whether triton can be imported (looked up once, without importing it)."""
     return importlib.util.find_spec("triton") is not None
-
-
-@functools.cache
-def kernels_mode() -> str:
-    """HIMAMBA_KERNELS, read once per process and checked: "auto" (default), "reference" or "triton"."""
-    mode = os.environ.get(KERNELS_ENV, "auto") or "auto"
-    if mode not in KERNEL_CHOICES:
-        raise ValueError(f"{KERNELS_ENV} must be one of {', '.join(KERNEL_CHOICES)}, got {mode!r}")
-    return mode
 
 
 def uses_triton(x: Tensor) -> bool:
@@ -78,14 +66,6 @@ def uses_triton(x: Tensor) -> bool:
     if mode == "triton" and not triton_installed():
         raise RuntimeError(f"{KERNELS_ENV}=triton but triton is not installed")
     return mode != "reference" and triton_installed()
-
-
-def cuda_path(t: Tensor) -> bool:
-    """Whether code that branches on CPU vs CUDA takes the CUDA branch for `t` (no host syncs, no
-    shapes read back from device values, pool rows updated in place): a CUDA tensor; or any tensor
-    under HIMAMBA_KERNELS=triton (the twins are what a GPU runs) or HIMAMBA_CUDA_PATH=1 (read per
-    call, so a test can set it), so that a CPU process (with TRITON_INTERPRET=1) runs what a GPU would."""
-    return t.is_cuda or os.environ.get(CUDA_PATH_ENV) == "1" or kernels_mode() == "triton"
 
 
 def _native_built() -> bool:

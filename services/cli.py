@@ -220,14 +220,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _bench(argv: list[str]) -> int:
     benches = {
-        "cache": "himamba.services.cache.bench",
-        "scheduler": "himamba.services.bench.scheduler",
-        "forward": "himamba.services.worker.bench_forward",
-        "kernels": "himamba.services.worker.bench_kernels",
-        "multiturn": "himamba.services.bench.multiturn",
-        "structured": "himamba.services.bench.structured",
-        "serve-overhead": "himamba.services.bench.serve_overhead",
-        "launches": "himamba.services.bench.launches",
+        "cache": "himamba.bench.cache",
+        "scheduler": "himamba.bench.scheduler",
+        "forward": "himamba.bench.forward",
+        "kernels": "himamba.bench.kernels",
+        "multiturn": "himamba.bench.multiturn",
+        "structured": "himamba.bench.structured",
+        "serve-overhead": "himamba.bench.serve_overhead",
+        "launches": "himamba.bench.launches",
     }
     if not argv or argv[0] not in benches:
         print(f"usage: himamba bench {{{','.join(benches)}}} [options]", file=sys.stderr)

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from himamba.bench.servers import ServerProcess, start_server
 from himamba.common.messages import CacheStats
-from himamba.services.bench.servers import ServerProcess, start_server
 from tests.http_request import HttpResult, free_port, http_request
 
 

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..code_path import cuda_path
+
 
 def _check_cache(k_cache: Tensor, v_cache: Tensor, q_heads: int, head_dim: int) -> None:
     if k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
@@ -90,8 +92,6 @@ def check_decode_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot_table: T
             f"slot_table and seq_lens must have B={batch} rows, got {slot_table.shape[0]} and {seq_lens.shape[0]}"
         )
     max_len = slot_table.shape[1]
-    from ..dispatch import cuda_path  # here: dispatch imports this module
-
     # The lengths' range is read on the CPU path only: on a GPU the read would be a sync per layer.
     if not cuda_path(seq_lens) and batch > 0:
         lo, hi = int(seq_lens.min()), int(seq_lens.max())

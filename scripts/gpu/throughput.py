@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from himamba.bench.forward import model_cost
 from himamba.services.modelgen.hf_configs import nemotron_h_config
-from himamba.services.worker.bench_forward import model_cost
 from himamba.services.worker.decode_graphs import DecodeGraphs, Scratch
 from himamba.services.worker.forward_batch import ForwardBatch
 from himamba.services.worker.models.hf_config import read_config_json

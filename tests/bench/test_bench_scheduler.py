@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from himamba.services.bench.scheduler import main
-from himamba.services.bench.scheduler_report import StrategyRow, compare, format_table, plot, summary_line
-from himamba.services.bench.scheduler_scale import ScaleCase, run_scale
+from himamba.bench.scheduler import main
+from himamba.bench.scheduler_report import StrategyRow, compare, format_table, plot, summary_line
+from himamba.bench.scheduler_scale import ScaleCase, run_scale
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from himamba.services.bench.structured import main
+from himamba.bench.structured import main
 
 
 @pytest.mark.slow

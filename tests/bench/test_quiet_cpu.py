@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from himamba.services.bench.quiet_cpu import CpuTimes, read_cpu_times, wait_quiet
+from himamba.bench.quiet_cpu import CpuTimes, read_cpu_times, wait_quiet
 
 _STAT = """cpu  100 5 20 900 7 3 2 50 0 0
 cpu0 60 5 10 400 3 1 1 25 0 0

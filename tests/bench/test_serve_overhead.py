@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from himamba.services.bench import serve_overhead
-from himamba.services.bench.serve_overhead import run
+from himamba.bench import serve_overhead
+from himamba.bench.serve_overhead import run
 from himamba.services.modelgen.checkpoint import make_checkpoint
 
 

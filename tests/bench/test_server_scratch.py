@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from himamba.services.bench.servers import start_server
+from himamba.bench.servers import start_server
 from himamba.services.modelgen.checkpoint import make_checkpoint
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from himamba.services.bench.http_completions import CompletionError
-from himamba.services.bench.vllm_server import VLLMServer
-from himamba.services.worker.bench_generate import PeerError
+from himamba.bench.generate import PeerError
+from himamba.bench.http_completions import CompletionError
+from himamba.bench.vllm_server import VLLMServer
 
 HERE = Path(__file__).parent
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from himamba.services.cache.bench import build_trace, main
+from himamba.bench.cache import build_trace, main
 from tests.system_packages import REDIS, skip_without, skip_without_mooncake
 
 TRACE = ["--clients", "4", "--turns", "3", "--first", "32", "--each", "8", "--gen", "8", "--page-size", "4"]

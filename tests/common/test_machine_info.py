@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from himamba.common.machine_info import MachineInfo, vector_extensions
+from himamba.bench.machine_info import MachineInfo, vector_extensions
 
 ZEN4 = "fpu sse sse2 avx avx2 fma avx512f avx512dq avx512bw avx512vl avx512_bf16 avx512_vnni avx512vbmi"
 SAPPHIRE_RAPIDS = ZEN4 + " avx512_fp16 amx_tile amx_bf16 amx_int8"

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from himamba.bench.forward import wait_env
 from himamba.common.config import Config, ModelConfig
 from himamba.common.openmp_wait import describe_openmp_wait, openmp_wait_env
 from himamba.services.launch import _child_env
-from himamba.services.worker.bench_forward import wait_env
 
 
 def test_a_spin_sets_gomp_spincount_and_no_policy() -> None:

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from himamba.services.bench.servers import ServerProcess, start_server
+from himamba.bench.servers import ServerProcess, start_server
 from himamba.services.modelgen.checkpoint import make_checkpoint
 from tests.worker.hf_reference import load_reference
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from himamba.bench.servers import start_server
 from himamba.common.client import Client
-from himamba.services.bench.servers import start_server
 from himamba.services.modelgen.checkpoint import make_checkpoint
 from tests.e2e.prompts import random_tokens
 from tests.worker.hf_reference import greedy, load_reference

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import time
 
-from himamba.services.bench.servers import himamba_command
+from himamba.bench.servers import himamba_command
 
 
 def test_serve_then_generate_as_in_the_readme(tmp_path):

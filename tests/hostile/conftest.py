@@ -20,8 +20,8 @@ import msgspec
 import pytest
 import zmq
 
+from himamba.bench.servers import ServerProcess, start_server
 from himamba.common.messages import ClientReply, ErrorReply, GenerateChunk
-from himamba.services.bench.servers import ServerProcess, start_server
 from himamba.services.modelgen.checkpoint import make_checkpoint
 from tests.http_request import HttpResult, free_port, http_request
 from tests.system_packages import UTIL_LINUX, skip_without

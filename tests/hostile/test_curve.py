@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import zmq.auth
 
+from himamba.bench.servers import start_server
 from himamba.common.client import Client, CurveKeys
-from himamba.services.bench.servers import start_server
 from himamba.services.modelgen.checkpoint import make_checkpoint
 from tests.http_request import free_port
 

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from himamba.bench.servers import ServerProcess, start_server
 from himamba.common.client import AsyncClient
-from himamba.services.bench.servers import ServerProcess, start_server
 from himamba.services.modelgen.checkpoint import make_checkpoint
 
 N = 4

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from himamba.services.worker import bench_kernels
+from himamba.bench import kernels as bench_kernels
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
@@ -31,7 +31,7 @@ def test_tiny_run_under_the_interpreter_covers_every_op(tmp_path) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", TRITON_DEFAULT_FP_FUSION="1")
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "himamba.services.worker.bench_kernels", "--tiny", "--repeats", "1", "--out", str(out)],
+        [sys.executable, "-m", "himamba.bench.kernels", "--tiny", "--repeats", "1", "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from himamba.bench.servers import ServerProcess, instance_endpoints
 from himamba.common.messages import CacheStats
-from himamba.services.bench.servers import ServerProcess, instance_endpoints
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("worker", "cache", "scheduler", "tokenizer")

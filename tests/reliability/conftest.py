@@ -26,8 +26,8 @@ from typing import NamedTuple
 
 import pytest
 
+from himamba.bench.servers import ServerProcess, himamba_command, start_server
 from himamba.common.client import AsyncClient
-from himamba.services.bench.servers import ServerProcess, himamba_command, start_server
 from himamba.services.modelgen.checkpoint import make_checkpoint
 from tests.reliability.prompts import MAX_CONTEXT_LEN
 from tests.reliability.server_group import start_together

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
+from himamba.bench.servers import ServerProcess
 from himamba.common.messages import CacheStats
-from himamba.services.bench.servers import ServerProcess
 
 
 def wait_drained(server: ServerProcess, timeout_s: float = 30.0) -> CacheStats:

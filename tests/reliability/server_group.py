@@ -6,7 +6,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from himamba.services.bench.servers import ServerProcess, start_server
+from himamba.bench.servers import ServerProcess, start_server
 
 
 def start_together(model: Path, log_dir: Path, flag_sets: Sequence[Sequence[str]]) -> list[ServerProcess]:

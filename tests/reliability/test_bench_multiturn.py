@@ -10,12 +10,12 @@ import math
 
 import pytest
 
-from himamba.services.bench.arrivals import Arrivals
-from himamba.services.bench.latency_summary import RequestRecord, add_ratios_vs_none, percentile, summarize
-from himamba.services.bench.multiturn import main
-from himamba.services.bench.multiturn_report import format_tables, goal_lines, limit_lines
-from himamba.services.bench.ttft_limit import later_prefix_lens
-from himamba.services.bench.workload import WorkloadSpec, conversations, ordinary_token_ids
+from himamba.bench.arrivals import Arrivals
+from himamba.bench.latency_summary import RequestRecord, add_ratios_vs_none, percentile, summarize
+from himamba.bench.multiturn import main
+from himamba.bench.multiturn_report import format_tables, goal_lines, limit_lines
+from himamba.bench.ttft_limit import later_prefix_lens
+from himamba.bench.workload import WorkloadSpec, conversations, ordinary_token_ids
 
 
 def _spec(**kw) -> WorkloadSpec:

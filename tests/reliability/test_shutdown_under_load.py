@@ -10,9 +10,9 @@ import os
 import signal
 from pathlib import Path
 
+from himamba.bench.servers import start_server
 from himamba.common.client import AsyncClient, HimambaError
 from himamba.common.types import GrammarSpec
-from himamba.services.bench.servers import start_server
 from himamba.services.modelgen.checkpoint import make_checkpoint
 
 STREAMS = 16

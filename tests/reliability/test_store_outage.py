@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from himamba.services.bench.servers import start_server
+from himamba.bench.servers import start_server
 from himamba.services.cache.storage.local_stores import LocalMooncake
 from tests.reliability.conftest import free_port
 from tests.reliability.pools import assert_nothing_leaked, wait_drained

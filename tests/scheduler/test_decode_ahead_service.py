@@ -17,6 +17,8 @@ import msgspec
 import pytest
 import zmq
 
+from himamba.bench.scheduler_scale import StandInWorker, _wait_ready, stop_processes
+from himamba.bench.servers import himamba_command, unique_endpoints
 from himamba.common.config import Config, encode
 from himamba.common.messages import (
     AbortRequest,
@@ -33,8 +35,6 @@ from himamba.common.messages import (
 from himamba.common.types import SamplingParams
 from himamba.common.wire import Decoder
 from himamba.common.wire import encode as encode_msg
-from himamba.services.bench.scheduler_scale import StandInWorker, _wait_ready, stop_processes
-from himamba.services.bench.servers import himamba_command, unique_endpoints
 
 EOS = 2
 PROMPT = 40

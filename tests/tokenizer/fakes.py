@@ -19,6 +19,7 @@ import msgspec
 import zmq
 from tokenizers import Tokenizer
 
+from himamba.bench.servers import unique_endpoints
 from himamba.common import config as config_mod
 from himamba.common.config import Config
 from himamba.common.messages import (
@@ -31,7 +32,6 @@ from himamba.common.messages import (
     ToScheduler,
 )
 from himamba.common.types import CachedTokens
-from himamba.services.bench.servers import unique_endpoints
 
 # The service runs in a fresh interpreter (the test modules are not importable from a child).
 _SERVICE_MAIN = """

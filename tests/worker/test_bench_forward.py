@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from himamba.services.worker.bench_forward import Options, _decode_contexts, main, model_cost, run
-from himamba.services.worker.bench_generate import PeerError, VLLMPeer
+from himamba.bench.forward import Options, _decode_contexts, main, model_cost, run
+from himamba.bench.generate import PeerError, VLLMPeer
 from himamba.services.worker.loader import load_model
 from tests.worker.hf_reference import save_nemotron_h
 

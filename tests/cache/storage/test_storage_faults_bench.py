@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from himamba.bench.storage_bandwidth import machine_bandwidth, measure_storage_bandwidth
 from himamba.common.host_pool import HostPoolLayout, StateComponentLayout, open_host_pools
-from himamba.services.cache.storage.bandwidth import machine_bandwidth, measure_storage_bandwidth
 from himamba.services.cache.storage.base import StorageError
 from himamba.services.cache.storage.factory import open_backend
 from himamba.services.cache.storage.file import FileBackend

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import redis
 
+from himamba.bench.storage_bandwidth import measure_storage_bandwidth
 from himamba.common.config import CacheConfig
-from himamba.services.cache.storage.bandwidth import measure_storage_bandwidth
 from himamba.services.cache.storage.base import ValueKind
 from himamba.services.cache.storage.factory import open_backend, open_configured_backend
 from himamba.services.cache.storage.local_stores import LocalRedis

@@ -23,13 +23,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from himamba.bench.machine_info import describe_machine
+from himamba.bench.model_info import describe_model
+from himamba.bench.progress import Progress
+from himamba.bench.report_files import write_json
+from himamba.bench.scheduler_report import StrategyRow, compare, format_table, plot, summary_line
+from himamba.bench.servers import ServerProcess, start_server
 from himamba.common.client import AsyncClient
-from himamba.common.machine_info import describe_machine
-from himamba.common.progress import Progress
-from himamba.common.report_files import write_json
-from himamba.services.bench.model_info import describe_model
-from himamba.services.bench.scheduler_report import StrategyRow, compare, format_table, plot, summary_line
-from himamba.services.bench.servers import ServerProcess, start_server
 
 STRATEGIES = ("extra_buffer", "extra_buffer_lazy", "single_buffer", "no_buffer")
 # Each conversation turn adds this many new tokens and generates this many.
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     args = p.parse_args(argv)
     if args.scale:
-        from himamba.services.bench.scheduler_scale import run_scale
+        from himamba.bench.scheduler_scale import run_scale
 
         return run_scale(Path(args.out), args.forward_ms, args.scale_steps, rounds=args.scale_rounds)
     strategies = [t.strip() for t in args.strategies.split(",") if t.strip()]

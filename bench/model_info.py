@@ -1,4 +1,4 @@
-"""What model a benchmark figure ran on (the machine: `himamba.common.machine_info`)."""
+"""What model a benchmark figure ran on (the machine: `himamba.bench.machine_info`)."""
 
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ def _model(arch: str, experts: int | None):
 
 
 def _counted(engine, mode: str, seqs, tokens) -> dict[str, int]:
-    from himamba.services.worker.bench_forward import StepTimes
+    from himamba.bench.forward import StepTimes
     from himamba.services.worker.launch_count import LaunchCount
 
     count = LaunchCount()
@@ -93,7 +93,7 @@ def _counted(engine, mode: str, seqs, tokens) -> dict[str, int]:
 
 def measure(arch: str, experts: int | None, batches: list[int], prefill_seqs: list[int]) -> dict[str, Any]:
     """Counts of one decode step per batch size and one prefill step per sequence count."""
-    from himamba.services.worker.bench_forward import OurEngine, StepTimes
+    from himamba.bench.forward import OurEngine, StepTimes
 
     model = _model(arch, experts)
     most = max(batches + prefill_seqs)
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.executable,
             "-P",
             "-m",
-            "himamba.services.bench.launches",
+            "himamba.bench.launches",
             *(argv if argv is not None else sys.argv[1:]),
         ]
         return subprocess.run(cmd, env=env).returncode

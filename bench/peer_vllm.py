@@ -40,6 +40,10 @@ def main() -> int:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_list(int(args["threads"]))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args["kv_cache_gib"]))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # Run as a script, its own folder (bench/) comes first on sys.path, and its modules' names
+    # (kernels, cache, progress, ...) would shadow packages vLLM and transformers look up.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
 
     import vllm
     from vllm import LLM, SamplingParams

@@ -31,7 +31,9 @@ from typing import IO, Any, Protocol, TextIO
 
 import torch
 
-PEER_SCRIPT = Path(__file__).with_name("bench_peer_vllm.py")
+from himamba.bench.step_times import StepTimes
+
+PEER_SCRIPT = Path(__file__).with_name("peer_vllm.py")
 
 
 @dataclass(frozen=True)
@@ -76,11 +78,9 @@ class OursGenerate:
     name = "ours"
 
     def __init__(self, engine: Any) -> None:
-        self.engine = engine  # bench_forward.OurEngine
+        self.engine = engine  # forward.OurEngine
 
     def generate(self, prompts: list[list[int]], new_tokens: int, gaps: bool = False) -> Generated:
-        from himamba.services.worker.bench_forward import StepTimes
-
         seqs = [self.engine.new_seq() for _ in prompts]
         times = StepTimes()
         out: list[list[int]] = [[] for _ in prompts]
@@ -169,7 +169,7 @@ class PeerError(RuntimeError):
 
 
 class VLLMPeer:
-    """vLLM's CPU engine in the peer's Python, spoken to over pipes (bench_peer_vllm.py)."""
+    """vLLM's CPU engine in the peer's Python, spoken to over pipes (peer_vllm.py)."""
 
     name = "vllm"
 

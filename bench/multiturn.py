@@ -36,19 +36,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from himamba.bench.arrivals import Arrivals
+from himamba.bench.latency_summary import LATE_ROUND, RunSummary, add_ratios_vs_none, summarize
+from himamba.bench.machine_info import describe_machine
+from himamba.bench.model_info import describe_model
+from himamba.bench.multiturn_driver import run_multiturn
+from himamba.bench.multiturn_report import format_tables, goal_lines, limit_lines, plot
+from himamba.bench.progress import Progress
+from himamba.bench.report_files import write_json
+from himamba.bench.servers import ServerProcess, himamba_command, start_server
+from himamba.bench.ttft_limit import measure_ttft_limit
+from himamba.bench.workload import WorkloadSpec, ordinary_token_ids
 from himamba.common.client import AsyncClient
 from himamba.common.config import ModelConfig, resolve_dtype
-from himamba.common.machine_info import describe_machine
-from himamba.common.progress import Progress
-from himamba.common.report_files import write_json
-from himamba.services.bench.arrivals import Arrivals
-from himamba.services.bench.latency_summary import LATE_ROUND, RunSummary, add_ratios_vs_none, summarize
-from himamba.services.bench.model_info import describe_model
-from himamba.services.bench.multiturn_driver import run_multiturn
-from himamba.services.bench.multiturn_report import format_tables, goal_lines, limit_lines, plot
-from himamba.services.bench.servers import ServerProcess, himamba_command, start_server
-from himamba.services.bench.ttft_limit import measure_ttft_limit
-from himamba.services.bench.workload import WorkloadSpec, ordinary_token_ids
 
 CONFIGS = ("none", "device", "host", "storage")
 _STORAGE_FLAG = "--hicache-storage-backend"

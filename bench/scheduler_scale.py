@@ -29,8 +29,10 @@ from typing import Any, NamedTuple
 import msgspec
 import zmq
 
+from himamba.bench.machine_info import describe_machine
+from himamba.bench.report_files import write_json
+from himamba.bench.servers import himamba_command, unique_endpoints
 from himamba.common.config import Config, encode
-from himamba.common.machine_info import describe_machine
 from himamba.common.messages import (
     AbortRequest,
     AddRequest,
@@ -42,11 +44,9 @@ from himamba.common.messages import (
     TransfersDone,
     WorkerInfo,
 )
-from himamba.common.report_files import write_json
 from himamba.common.types import SamplingParams
 from himamba.common.wire import Decoder
 from himamba.common.wire import encode as encode_msg
-from himamba.services.bench.servers import himamba_command, unique_endpoints
 from himamba.services.worker.follow_on import FollowError, LastSampled, Resolved, resolve, sampled
 
 PAGE = 16

@@ -1,7 +1,7 @@
 """`himamba bench forward`: prefill and decode throughput of our worker against transformers (and vLLM).
 
 Two parts. The per-phase table (below) times single forward steps. The generate table
-(bench_generate.py) is the honest reference: each engine generating as its users run it —
+(generate.py) is the honest reference: each engine generating as its users run it —
 transformers' own `generate`, vLLM's CPU engine with `--peer vllm --peer-python PATH` — beside ours,
 with ratios, spread over alternating runs and greedy agreement up to the first near-tie.
 
@@ -36,16 +36,7 @@ from typing import Any, TextIO
 
 import torch
 
-from himamba.common.config import Config
-from himamba.common.machine_info import cpu_model, vector_extensions
-from himamba.common.messages import RunBatch, SeqPlan
-from himamba.common.openmp_wait import USER_VARIABLES as OPENMP_WAIT_VARIABLES
-from himamba.common.openmp_wait import describe_openmp_wait, openmp_wait_env
-from himamba.common.types import SamplingParams
-from himamba.common.wire import tensor_frame, tensor_ref
-from himamba.kernels.dispatch import describe_cpu_kernels
-from himamba.services.modelgen.checkpoint import ARCHS, make_checkpoint
-from himamba.services.worker.bench_generate import (
+from himamba.bench.generate import (
     GenerateEngine,
     HFGenerate,
     OursGenerate,
@@ -55,7 +46,17 @@ from himamba.services.worker.bench_generate import (
     print_results,
     run_scenarios,
 )
-from himamba.services.worker.bench_generate import summary as generate_summary
+from himamba.bench.generate import summary as generate_summary
+from himamba.bench.machine_info import cpu_model, vector_extensions
+from himamba.bench.step_times import StepTimes
+from himamba.common.config import Config
+from himamba.common.messages import RunBatch, SeqPlan
+from himamba.common.openmp_wait import USER_VARIABLES as OPENMP_WAIT_VARIABLES
+from himamba.common.openmp_wait import describe_openmp_wait, openmp_wait_env
+from himamba.common.types import SamplingParams
+from himamba.common.wire import tensor_frame, tensor_ref
+from himamba.kernels.dispatch import describe_cpu_kernels
+from himamba.services.modelgen.checkpoint import ARCHS, make_checkpoint
 from himamba.services.worker.heap_reuse import HeapReuse, reuse_heap
 from himamba.services.worker.layers.attention import PagedAttention
 from himamba.services.worker.layers.linear import Linear
@@ -240,18 +241,6 @@ def model_cost(model: HybridModel) -> ModelCost:
 
 
 # ---------------------------------------------------------------- our worker, driven like the real one
-
-
-class StepTimes:
-    """Seconds spent per step in each part of the worker's step."""
-
-    def __init__(self) -> None:
-        self.build: list[float] = []
-        self.model: list[float] = []
-        self.sample: list[float] = []
-
-    def total(self) -> list[float]:
-        return [a + b + c for a, b, c in zip(self.build, self.model, self.sample, strict=True)]
 
 
 @dataclass
@@ -975,7 +964,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse_args(args)
     env = wait_env(opts.omp_wait_policy, opts.omp_spin, os.environ)
     if any(env.get(name) != os.environ.get(name) for name in OPENMP_WAIT_VARIABLES):
-        return subprocess.call([sys.executable, "-m", "himamba.services.worker.bench_forward", *args], env=env)
+        return subprocess.call([sys.executable, "-m", "himamba.bench.forward", *args], env=env)
     try:
         summary = run(opts, sys.stdout, sys.stderr)
     except PeerError as e:

@@ -26,12 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from himamba.bench.machine_info import describe_machine
+from himamba.bench.model_info import describe_model
+from himamba.bench.report_files import write_json
+from himamba.bench.servers import start_server
 from himamba.common.client import AsyncClient
-from himamba.common.machine_info import describe_machine
-from himamba.common.report_files import write_json
 from himamba.common.types import GrammarSpec, SamplingParams
-from himamba.services.bench.model_info import describe_model
-from himamba.services.bench.servers import start_server
 
 _TORCH_THREADS = 1  # start_server's default, stated on the machine line
 _S = {"type": "string", "maxLength": 16}

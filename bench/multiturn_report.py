@@ -6,8 +6,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from himamba.common.report_files import PlotOutcome, no_matplotlib, open_pyplot, save_figure
-from himamba.services.bench.latency_summary import RunSummary
+from himamba.bench.latency_summary import RunSummary
+from himamba.bench.report_files import PlotOutcome, no_matplotlib, open_pyplot, save_figure
 
 
 def _ms(v: float | None) -> str:

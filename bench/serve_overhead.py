@@ -40,18 +40,18 @@ from typing import Any
 
 import torch
 
+from himamba.bench.at_once import wall_seconds_at_once
+from himamba.bench.forward import HFEngine, checkpoint_dir
+from himamba.bench.generate import GenerateEngine, HFGenerate, PeerError, VLLMPeer
+from himamba.bench.http_completions import complete_batch, served_model
+from himamba.bench.machine_info import describe_machine
+from himamba.bench.quiet_cpu import wait_quiet
+from himamba.bench.servers import free_port, start_server
+from himamba.bench.vllm_server import VLLMServer
 from himamba.common.client import Client
 from himamba.common.config import Config
-from himamba.common.machine_info import describe_machine
 from himamba.common.openmp_wait import describe_openmp_wait, openmp_wait_env
 from himamba.kernels.dispatch import describe_cpu_kernels
-from himamba.services.bench.at_once import wall_seconds_at_once
-from himamba.services.bench.http_completions import complete_batch, served_model
-from himamba.services.bench.quiet_cpu import wait_quiet
-from himamba.services.bench.servers import free_port, start_server
-from himamba.services.bench.vllm_server import VLLMServer
-from himamba.services.worker.bench_forward import HFEngine, checkpoint_dir
-from himamba.services.worker.bench_generate import GenerateEngine, HFGenerate, PeerError, VLLMPeer
 
 _STEP_SUM = re.compile(r"^himamba_worker_step_time_seconds_sum\{[^}]*\} (\S+)$", re.MULTILINE)
 _REPORT_INTERVAL_S = 0.2

@@ -21,9 +21,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from himamba.services.bench.http_completions import complete_batch, served_model
-from himamba.services.bench.servers import free_port
-from himamba.services.worker.bench_generate import PeerError
+from himamba.bench.generate import PeerError
+from himamba.bench.http_completions import complete_batch, served_model
+from himamba.bench.servers import free_port
 
 _BINDING = re.compile(r"core ids=(\[[^\]]*\])")
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from himamba.common.report_files import PlotOutcome, no_matplotlib, open_pyplot, save_figure
+from himamba.bench.report_files import PlotOutcome, no_matplotlib, open_pyplot, save_figure
 
 
 class StrategyRow(NamedTuple):

@@ -13,7 +13,7 @@ import json
 import urllib.error
 import urllib.request
 
-from himamba.services.bench.at_once import wall_seconds_at_once
+from himamba.bench.at_once import wall_seconds_at_once
 
 
 class CompletionError(RuntimeError):

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from himamba.common.machine_info import MachineInfo
-from himamba.common.report_files import PlotOutcome, no_matplotlib, open_pyplot, save_figure, write_json
+from himamba.bench.machine_info import MachineInfo
+from himamba.bench.report_files import PlotOutcome, no_matplotlib, open_pyplot, save_figure, write_json
 
 _OPS = ("match", "insert", "evict", "backup", "load_back")
 # The storage probe's bandwidths, as (result key, label, factor to MB/s).

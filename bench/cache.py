@@ -23,17 +23,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from himamba.common.machine_info import describe_machine
-from himamba.common.progress import Progress
-from himamba.services.cache.allocator import PageAllocator, SlotAllocator
-from himamba.services.cache.bench_report import Transcript, workload, workload_line, write_report
-from himamba.services.cache.eviction import EVICTION_POLICIES
-from himamba.services.cache.radix_tree import WRITE_POLICIES, BackupOp, RadixTree
-from himamba.services.cache.storage.bandwidth import (
+from himamba.bench.cache_report import Transcript, workload, workload_line, write_report
+from himamba.bench.machine_info import describe_machine
+from himamba.bench.progress import Progress
+from himamba.bench.storage_bandwidth import (
     disk_probe,
     machine_bandwidth,
     measure_storage_bandwidth,
 )
+from himamba.services.cache.allocator import PageAllocator, SlotAllocator
+from himamba.services.cache.eviction import EVICTION_POLICIES
+from himamba.services.cache.radix_tree import WRITE_POLICIES, BackupOp, RadixTree
 from himamba.services.cache.storage.factory import open_backend
 from himamba.services.cache.storage.file import FileBackend
 from himamba.services.cache.storage.local_stores import start_local_store

@@ -16,8 +16,9 @@ from typing import NamedTuple
 
 import torch
 
-from himamba.services.bench.workload import WorkloadSpec
-from himamba.services.worker.bench_forward import OurEngine, StepTimes
+from himamba.bench.forward import OurEngine
+from himamba.bench.step_times import StepTimes
+from himamba.bench.workload import WorkloadSpec
 from himamba.services.worker.loader import load_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -14,11 +14,11 @@ import time
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
+from himamba.bench.arrivals import Arrivals
+from himamba.bench.latency_summary import TIERS, RequestRecord
+from himamba.bench.progress import Progress
+from himamba.bench.workload import Conversation, Turn, WorkloadSpec, conversations
 from himamba.common.client import AsyncClient, HimambaError
-from himamba.common.progress import Progress
-from himamba.services.bench.arrivals import Arrivals
-from himamba.services.bench.latency_summary import TIERS, RequestRecord
-from himamba.services.bench.workload import Conversation, Turn, WorkloadSpec, conversations
 
 ReadyPolicy = Literal["random", "fifo"]
 
