@@ -28,7 +28,6 @@ from himamba.common.progress import Progress
 from himamba.services.cache.allocator import PageAllocator, SlotAllocator
 from himamba.services.cache.bench_report import Transcript, workload, workload_line, write_report
 from himamba.services.cache.eviction import EVICTION_POLICIES
-from himamba.services.cache.radix_tree import WRITE_POLICIES, BackupOp, RadixTree
 from himamba.services.cache.storage.bandwidth import (
     disk_probe,
     machine_bandwidth,
@@ -37,6 +36,8 @@ from himamba.services.cache.storage.bandwidth import (
 from himamba.services.cache.storage.factory import open_backend
 from himamba.services.cache.storage.file import FileBackend
 from himamba.services.cache.storage.local_stores import start_local_store
+from himamba.services.cache.tree.orders import BackupOp
+from himamba.services.cache.tree.radix_tree import WRITE_POLICIES, RadixTree
 
 VOCAB_SIZE = 32000
 

@@ -131,7 +131,7 @@ class CacheService(Actor[ToCache]):
         if self.ctrl is None:
             return
         st = self.ctrl.stats()
-        t = self.ctrl.tree
+        t = self.ctrl.tree.usage() if self.ctrl.tree is not None else None
         # Evictable: cached in the tree and not locked by a request or pinned by a transfer; the
         # rest of what is used (running requests' own pages, locked prefixes, copies in flight)
         # is protected.
