@@ -323,14 +323,11 @@ class CacheController:
 
     def _fits(self, node: TreeNode, pages: int, slots: int) -> bool:
         """Whether `pages` device pages and `slots` state slots can be had with `node` locked as the
-        request will hold it (what stays evictable can all be had). Changes nothing."""
+        request will hold it (what stays evictable can all be had). Decides on counts: it locks
+        nothing, so it changes nothing (no eviction queue is touched either)."""
         assert self.tree is not None
-        receipt = self.tree.lock(node) if node is not self.tree.root else None
-        try:
-            return self.pages_available() >= pages and self.slots_available() >= slots
-        finally:
-            if receipt is not None:
-                self.tree.unlock(receipt)
+        held = self.tree.lock_cost(node)
+        return self.pages_available() - held.pages >= pages and self.slots_available() - held.states >= slots
 
     def _plan_admit(self, m: MatchResult, need_pages: int, need_slots: int) -> _AdmitPlan | None:
         """The deepest hit that fits in what is free or evictable, or None when even a plain

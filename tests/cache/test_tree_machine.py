@@ -381,7 +381,13 @@ class TreeMachine(RuleBasedStateMachine):
             nodes = self.all_nodes()
             stateless = [n for n in nodes if n.device_pages is not None and n.device_state is None]
             node = data.draw(st.sampled_from(stateless if stateless and data.draw(st.booleans()) else nodes))
+            cost, before = self.tree.lock_cost(node), self.tree.usage()
+            assert self.tree.usage() == before, "lock_cost changed the tree"
             self.extra_locks.append(self.tree.lock(node))
+            after = self.tree.usage()
+            got = (after.device_pages_protected - before.device_pages_protected,
+                   after.device_states_protected - before.device_states_protected)  # fmt: skip
+            assert got == tuple(cost), f"lock_cost said {cost}, the lock protected {got}"
 
     @rule(data=st.data(), kv=st.booleans(), state=st.booleans(), release=st.booleans())
     def host_protection(self, data, kv, state, release):

@@ -55,6 +55,7 @@ from himamba.services.cache.tree.results import (
     EvictResult,
     HostInsertResult,
     InsertResult,
+    LockCost,
     MatchResult,
     ProbeResult,
     StateTier,
@@ -437,6 +438,23 @@ class RadixTree:
             n.lock_ref += 1
             n = n.parent  # type: ignore[assignment]
         return LockReceipt(node, d if d is not root else None, state_node)
+
+    def lock_cost(self, node: TreeNode, *, state: bool = True) -> LockCost:
+        """What `lock(node, state=state)` would protect that is evictable now, counted without
+        locking: a check can ask it and change nothing (nano-vllm's can_allocate before allocate)."""
+        self._check_attached(node, "node")
+        root = self._root
+        n = node
+        while n.device_pages is None:
+            n = n.parent  # type: ignore[assignment]  # the root has pages, so the walk stops
+        pages = 0
+        # A locked node has locked ancestors (parent.lock_ref >= its device children's), so the
+        # walk stops at the first one.
+        while n is not root and n.lock_ref == 0:
+            pages += len(n.device_pages)  # type: ignore[arg-type]
+            n = n.parent  # type: ignore[assignment]
+        states = int(state and node.device_state is not None and node.mamba_lock_ref == 0)
+        return LockCost(pages, states)
 
     def unlock(self, receipt: LockReceipt) -> None:
         """Release exactly what the receipt recorded; ValueError if it was already released."""

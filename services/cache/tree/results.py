@@ -62,6 +62,13 @@ class EvictResult(NamedTuple):
     backups: list[BackupOp]
 
 
+class LockCost(NamedTuple):
+    """What `RadixTree.lock` would take out of the evictable amounts, counted without locking."""
+
+    pages: int  # device pages of the node's on-device path that no lock holds yet
+    states: int  # 1 when the node's device state would be locked and no lock holds it yet
+
+
 class TreeUsage(NamedTuple):
     """What the tree holds in each pool, and how much of it is protected, at one moment.
 
