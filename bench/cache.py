@@ -33,7 +33,8 @@ from himamba.bench.storage_bandwidth import (
 )
 from himamba.services.cache.allocator import PageAllocator, SlotAllocator
 from himamba.services.cache.eviction import EVICTION_POLICIES
-from himamba.services.cache.radix_tree import WRITE_POLICIES, BackupOp, RadixTree
+from himamba.services.cache.tree.orders import BackupOp
+from himamba.services.cache.tree.radix_tree import WRITE_POLICIES, RadixTree
 from himamba.services.cache.storage.factory import open_backend
 from himamba.services.cache.storage.file import FileBackend
 from himamba.services.cache.storage.local_stores import start_local_store

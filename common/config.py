@@ -237,9 +237,6 @@ class SchedulerConfig(_Section):
         bool,
         doc("Run scheduling and the forward one after the other instead of overlapped.", "--disable-overlap-schedule"),
     ] = False
-    debug_fail_lazy_alloc: Annotated[bool, doc("Test hook: every lazy track-slot allocation fails.", hidden=True)] = (
-        False
-    )
 
 
 class CacheConfig(_Section):
@@ -340,28 +337,6 @@ class CacheConfig(_Section):
     prefetch_timeout_max_s: Annotated[
         NonNegFloat, doc("With the timeout policy: the cap on a prefetch's timeout, in seconds.")
     ] = 30.0
-    # Test hooks: wrap the storage backend in a FlakyBackend (fault injection).
-    debug_storage_fail_rate: Annotated[
-        float, msgspec.Meta(ge=0, le=1), doc("Test hook: the share of storage calls that fail.", hidden=True)
-    ] = 0.0
-    debug_storage_slow_s: Annotated[NonNegFloat, doc("Test hook: seconds every storage call sleeps.", hidden=True)] = (
-        0.0
-    )
-    debug_storage_prefetch_stall_pages: Annotated[
-        NonNegInt, doc("Test hook: a storage prefetch holds after this many pages until it is revoked.", hidden=True)
-    ] = 0
-    # Test hooks in the worker's copy path: 1-based counts over the worker's life of the copy orders
-    # in `debug_transfer_direction`; 0: off.
-    debug_transfer_direction: Annotated[
-        Literal["any", "d2h", "h2d"], doc("Test hook: which copy orders the copy hooks count.", hidden=True)
-    ] = "any"
-    debug_transfer_fail_at: Annotated[NonNegInt, doc("Test hook: the Nth copy order fails.", hidden=True)] = 0
-    debug_batch_fail_at_transfer: Annotated[
-        NonNegInt, doc("Test hook: the batch carrying the Nth copy order fails after its copies.", hidden=True)
-    ] = 0
-    debug_worker_exit_at_transfer: Annotated[
-        NonNegInt, doc("Test hook: the worker process dies during the Nth copy order (once per instance).", hidden=True)
-    ] = 0
 
 
 class LogConfig(_Section):
@@ -461,6 +436,35 @@ class MetricsConfig(_Section):
     ] = 1.0
 
 
+class DebugConfig(_Section):
+    """Test hooks (fault injection), all off by default: the [debug] table, flags `--debug-...`, hidden from
+    --help. Tests and failure drills set them; a production server never needs one."""
+
+    fail_lazy_alloc: Annotated[
+        bool, doc("Test hook: every lazy track-slot allocation of the scheduler fails.", hidden=True)
+    ] = False
+    # The storage backend is wrapped in a FlakyBackend when either of the first two is set.
+    storage_fail_rate: Annotated[
+        float, msgspec.Meta(ge=0, le=1), doc("Test hook: the share of storage calls that fail.", hidden=True)
+    ] = 0.0
+    storage_slow_s: Annotated[NonNegFloat, doc("Test hook: seconds every storage call sleeps.", hidden=True)] = 0.0
+    storage_prefetch_stall_pages: Annotated[
+        NonNegInt, doc("Test hook: a storage prefetch holds after this many pages until it is revoked.", hidden=True)
+    ] = 0
+    # The worker's copy path: 1-based counts over the worker's life of the copy orders in
+    # `transfer_direction`; 0: off.
+    transfer_direction: Annotated[
+        Literal["any", "d2h", "h2d"], doc("Test hook: which copy orders the copy hooks count.", hidden=True)
+    ] = "any"
+    transfer_fail_at: Annotated[NonNegInt, doc("Test hook: the Nth copy order fails.", hidden=True)] = 0
+    batch_fail_at_transfer: Annotated[
+        NonNegInt, doc("Test hook: the batch carrying the Nth copy order fails after its copies.", hidden=True)
+    ] = 0
+    worker_exit_at_transfer: Annotated[
+        NonNegInt, doc("Test hook: the worker process dies during the Nth copy order (once per instance).", hidden=True)
+    ] = 0
+
+
 class Config(_Section):
     """A whole server: every service reads the same tree."""
 
@@ -471,15 +475,22 @@ class Config(_Section):
     log: LogConfig = LogConfig()
     http: HttpConfig = HttpConfig()
     metrics: MetricsConfig = MetricsConfig()
+    debug: DebugConfig = DebugConfig()
 
 
 class ConfigError(ValueError):
     """A config file or flag that does not validate; the message names the flag and the field."""
 
 
+# Sections whose flags carry the section's name; every other flag is flat (`--page-size`).
+_PREFIXED_SECTIONS = frozenset({"debug"})
+
+
 def flag_of(section: str, field: str) -> str:
-    """The command-line flag of config field `section.field` (flat names: `--page-size`)."""
-    return "--" + field.replace("_", "-")
+    """The command-line flag of config field `section.field`: flat names (`--page-size` for
+    cache.page_size), except the test hooks, `--debug-transfer-fail-at` for debug.transfer_fail_at."""
+    name = f"{section}_{field}" if section in _PREFIXED_SECTIONS else field
+    return "--" + name.replace("_", "-")
 
 
 def field_name(section: str, field: str) -> str:

@@ -6,7 +6,8 @@ else `~/.cache/himamba/native`), under a name derived from the sources, the flag
 the CPU; the first process compiles (a few seconds), every later one loads the file. Processes
 racing to build write separate temporaries and rename them into place, so a reader never sees a
 half-written library. Without a compiler, or when it fails, `native_build()` says why and the
-callers keep the PyTorch reference.
+callers keep the PyTorch reference. The entry points' ctypes signatures are read from their C
+definitions when the library is loaded (signatures.py), so there is no second copy to keep in step.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import NamedTuple
 # Loaded before the library, so that the library's libgomp.so.1 resolves to torch's OpenMP runtime
 # (the same threads and thread count) instead of loading the system's beside it.
 import torch  # noqa: F401
+
+from .signatures import read_signatures
 
 log = logging.getLogger(__name__)
 
@@ -47,27 +50,6 @@ FLAGS = (
 # With OpenMP the kernels' parallel loops join the process's OpenMP runtime (torch's libgomp is
 # already loaded, and the library's libgomp.so.1 resolves to it), so they honour torch's thread count.
 OPENMP = "-fopenmp"
-_I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-# Each entry point's C signature (argument types, result type), checked by ctypes on every call.
-SIGNATURES: dict[str, tuple[tuple[type, ...], type | None]] = {
-    "hm_paged_attention_decode_f32": ((_PTR,) * 6 + (_I64,) * 6 + (_F32,), _I64),
-    "hm_ssd_state_update_f32": (
-        (_PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _F32, _F32, _I64, _PTR) + (_I64,) * 5,
-        None,
-    ),
-    "hm_conv_update_f32": ((_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64), None),
-    "hm_paged_attention_prefill_f32": ((_PTR,) * 5 + (_I64,) * 6 + (_F32,), _I64),
-    "hm_linear_f32": ((_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64), None),
-    "hm_rms_norm_f32": ((_PTR, _I64, _PTR, _F32, _PTR, _I64, _I64), None),
-    "hm_gated_rms_norm_f32": ((_PTR, _I64, _PTR, _I64, _PTR, _F32, _I64, _PTR, _I64, _I64), None),
-    "hm_conv_scan_f32": ((_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64), _I64),
-    "hm_ssd_scan_f32": (
-        (_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _F32, _F32, _I64)
-        + (_PTR,) * 3
-        + (_I64,) * 7,
-        _I64,
-    ),
-}
 
 
 class NativeBuild(NamedTuple):
@@ -123,7 +105,7 @@ def _compile(cc: str, out: Path, flags: tuple[str, ...]) -> subprocess.Completed
 
 def _load(path: Path) -> ctypes.CDLL:
     library = ctypes.CDLL(str(path))
-    for name, (args, result) in SIGNATURES.items():
+    for name, (args, result) in read_signatures(SOURCES).items():
         fn = getattr(library, name)
         fn.argtypes = list(args)
         fn.restype = result
@@ -167,5 +149,5 @@ def native_build() -> NativeBuild:
             if done.returncode != 0:
                 return NativeBuild(None, f"not built: {compiler} failed: {done.stderr.strip()[-500:]}")
         return NativeBuild(_load(path), f"{compiler}, -march=native ({path.name})")
-    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+    except (OSError, subprocess.SubprocessError, AttributeError, ValueError) as e:
         return NativeBuild(None, f"not built: {type(e).__name__}: {e}")

@@ -39,17 +39,12 @@ from himamba.common.messages import (
 )
 from himamba.common.types import CachedTokens
 from himamba.services.cache.allocator import PageAllocator, SlotAllocator
-from himamba.services.cache.radix_tree import (
-    BackupOp,
-    InsertResult,
-    LoadOp,
-    LockReceipt,
-    MatchResult,
-    RadixTree,
-    TreeNode,
-)
 from himamba.services.cache.storage.io_workers import StorageIO
 from himamba.services.cache.storage_tier import StorageTier
+from himamba.services.cache.tree.node import LockReceipt, TreeNode
+from himamba.services.cache.tree.orders import BackupOp, LoadOp
+from himamba.services.cache.tree.radix_tree import RadixTree
+from himamba.services.cache.tree.results import InsertResult, MatchResult
 
 _log = logging.getLogger("himamba.cache")
 
@@ -187,7 +182,7 @@ class CacheController:
     def take_transfers(self) -> list[Transfer]:
         """Copy orders produced by the ops applied since the last call, in execution order."""
         out, self._transfers = self._transfers, []
-        if self.tree is not None and self.tree.num_taints:
+        if self.tree is not None and self.tree.usage().taints:
             self.tree.retry_rollbacks()  # the step's Releases may have unlocked what a failed copy left
         return out
 
@@ -229,11 +224,11 @@ class CacheController:
 
     def pages_available(self) -> int:
         """Device pages that can be had now: free, or cached and unlocked (evictable)."""
-        return self.device_kv.num_free + (self.tree.device_pages_evictable if self.tree is not None else 0)
+        return self.device_kv.num_free + (self.tree.usage().device_pages_evictable if self.tree is not None else 0)
 
     def slots_available(self) -> int:
         """Device state slots that can be had now: free, or cached states that are not locked."""
-        return self.device_state.num_free + (self.tree.device_states_evictable if self.tree is not None else 0)
+        return self.device_state.num_free + (self.tree.usage().device_states_evictable if self.tree is not None else 0)
 
     def _alloc_pages(self, n: int) -> list[int] | None:
         """`n` device pages, evicting cached ones only when that is sure to give enough."""
@@ -328,14 +323,11 @@ class CacheController:
 
     def _fits(self, node: TreeNode, pages: int, slots: int) -> bool:
         """Whether `pages` device pages and `slots` state slots can be had with `node` locked as the
-        request will hold it (what stays evictable can all be had). Changes nothing."""
+        request will hold it (what stays evictable can all be had). Decides on counts: it locks
+        nothing, so it changes nothing (no eviction queue is touched either)."""
         assert self.tree is not None
-        receipt = self.tree.lock(node) if node is not self.tree.root else None
-        try:
-            return self.pages_available() >= pages and self.slots_available() >= slots
-        finally:
-            if receipt is not None:
-                self.tree.unlock(receipt)
+        held = self.tree.lock_cost(node)
+        return self.pages_available() - held.pages >= pages and self.slots_available() - held.states >= slots
 
     def _plan_admit(self, m: MatchResult, need_pages: int, need_slots: int) -> _AdmitPlan | None:
         """The deepest hit that fits in what is free or evictable, or None when even a plain
@@ -576,6 +568,7 @@ class CacheController:
     # ------------------------------------------------------------ inspection
 
     def stats(self) -> CacheStats:
+        u = self.tree.usage() if self.tree is not None else None
         return CacheStats(
             free_pages=self.device_kv.num_free,
             total_pages=self.device_kv.capacity,
@@ -585,11 +578,11 @@ class CacheController:
             total_host_pages=self.host_kv.capacity if self.host_kv else 0,
             free_host_slots=self.host_state.num_free if self.host_state else 0,
             total_host_slots=self.host_state.capacity if self.host_state else 0,
-            cached_pages=self.tree.device_pages_used if self.tree else 0,
-            cached_slots=self.tree.device_states_used if self.tree else 0,
+            cached_pages=u.device_pages_used if u else 0,
+            cached_slots=u.device_states_used if u else 0,
             running_requests=len(self.requests),
-            host_pages_protected=self.tree.host_pages_protected if self.tree else 0,
-            host_states_protected=self.tree.host_states_protected if self.tree else 0,
+            host_pages_protected=u.host_pages_protected if u else 0,
+            host_states_protected=u.host_states_protected if u else 0,
             failed_transfers=self.failed_transfers,
         )
 

@@ -49,12 +49,12 @@ def flushed(ctrl: CacheController) -> tuple[CacheController, Flushed]:
     """An empty controller in `ctrl`'s place (same pools, same storage I/O and counters), and what
     `ctrl` held. The caller checked `flush_refusal(ctrl) is None`."""
     assert flush_refusal(ctrl) is None, "flushing a cache that is in use"
-    tree = ctrl.tree
+    u = ctrl.tree.usage() if ctrl.tree is not None else None
     freed = Flushed(
-        tree.device_pages_used if tree is not None else 0,
-        tree.device_states_used if tree is not None else 0,
-        tree.host_pages_used if tree is not None else 0,
-        tree.host_states_used if tree is not None else 0,
+        u.device_pages_used if u is not None else 0,
+        u.device_states_used if u is not None else 0,
+        u.host_pages_used if u is not None else 0,
+        u.host_states_used if u is not None else 0,
     )
     new = CacheController(
         ctrl.cfg,

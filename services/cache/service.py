@@ -131,7 +131,7 @@ class CacheService(Actor[ToCache]):
         if self.ctrl is None:
             return
         st = self.ctrl.stats()
-        t = self.ctrl.tree
+        t = self.ctrl.tree.usage() if self.ctrl.tree is not None else None
         # Evictable: cached in the tree and not locked by a request or pinned by a transfer; the
         # rest of what is used (running requests' own pages, locked prefixes, copies in flight)
         # is protected.
@@ -280,8 +280,9 @@ class CacheService(Actor[ToCache]):
             fp = model_fingerprint(Path(self.cfg.model.model), self.cfg.model.dtype, cache.page_size)
             backend = open_configured_backend(cache, fp)
             assert backend is not None
-            if cache.debug_storage_fail_rate or cache.debug_storage_slow_s:
-                backend = FlakyBackend(backend, cache.debug_storage_fail_rate, seed=0, slow_s=cache.debug_storage_slow_s)
+            debug = self.cfg.debug
+            if debug.storage_fail_rate or debug.storage_slow_s:
+                backend = FlakyBackend(backend, debug.storage_fail_rate, seed=0, slow_s=debug.storage_slow_s)
             self._host_pools = open_host_pools(layout, create=False)
             self._io = StorageIO(
                 backend,
@@ -289,7 +290,7 @@ class CacheService(Actor[ToCache]):
                 self._host_pools.state_bytes,
                 page_size=cache.page_size,
                 prefetch_budget_tokens=max(layout.num_pages * cache.page_size, cache.page_size),
-                stall_prefetch_at=cache.debug_storage_prefetch_stall_pages,
+                stall_prefetch_at=self.cfg.debug.storage_prefetch_stall_pages,
             )
         except (ValueError, OSError, RuntimeError) as e:
             self.log.warning("storage tier off: %s: %s", type(e).__name__, e)

@@ -32,7 +32,6 @@ from typing import Literal, NamedTuple
 from himamba.common.config import CacheConfig
 from himamba.services.cache.allocator import PageAllocator, SlotAllocator
 from himamba.services.cache.keys import page_keys
-from himamba.services.cache.radix_tree import HostPin, RadixTree, TreeNode
 from himamba.services.cache.storage.base import StorageHit
 from himamba.services.cache.storage.io_workers import (
     JobHandle,
@@ -42,6 +41,8 @@ from himamba.services.cache.storage.io_workers import (
     StorageIO,
 )
 from himamba.services.cache.storage.known_keys import KnownKeys
+from himamba.services.cache.tree.node import HostPin, TreeNode
+from himamba.services.cache.tree.radix_tree import RadixTree
 
 _log = logging.getLogger("himamba.cache.storage")
 
@@ -274,7 +275,7 @@ class StorageTier:
         # its path is not counted). Too little for the whole hit: adaptive fallback, cut back to the
         # aligned size that fits, then to a page with a stored state; if that lands below the
         # threshold the host tier is left exactly as it is.
-        can_have = self.host_kv.num_free + self.tree.host_pages_evictable
+        can_have = self.host_kv.num_free + self.tree.usage().host_pages_evictable
         if n - pf.first_page > can_have:
             n = pf.first_page + can_have
             if self.needs_state:
@@ -285,7 +286,7 @@ class StorageTier:
             self.counters.truncations += 1
         if self.needs_state:
             assert self.host_state is not None
-            if self.host_state.num_free + self.tree.host_states_evictable < 1:
+            if self.host_state.num_free + self.tree.usage().host_states_evictable < 1:
                 # Every host state is pinned (waiting requests' prefetches, backups, load-backs):
                 # refused before any host page is evicted for it.
                 self._end(pf, "no_host_slot")

@@ -135,7 +135,7 @@ class SchedulerService(Actor[ToScheduler]):
             interval=self.interval,
             page_size=self.page_size,
             use_cache=self.use_cache,
-            fail_lazy_alloc=sc.debug_fail_lazy_alloc,
+            fail_lazy_alloc=cfg.debug.fail_lazy_alloc,
             metrics=self.m,
             log=self.log,
         )

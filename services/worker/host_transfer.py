@@ -59,7 +59,7 @@ class TransferFault(RuntimeError):
 
 
 class CopyFaults:
-    """The test hooks of the copy path (CacheConfig.debug_*_at*), counted over copy orders: the
+    """The test hooks of the copy path (DebugConfig: the [debug] table), counted over copy orders: the
     Nth order fails, the batch carrying the Nth order fails after its copies, the process dies
     during the Nth order (its KV pages copied, its states not).
 
@@ -90,7 +90,7 @@ class CopyFaults:
         if self.seen == self.batch_fail_at:
             self.fail_batch = True
         if self.seen == self.fail_at:
-            raise TransferFault(f"copy order {t.op_id} failed (debug_transfer_fail_at={self.fail_at})")
+            raise TransferFault(f"copy order {t.op_id} failed (debug.transfer_fail_at={self.fail_at})")
 
     def midway(self) -> None:
         """Between an order's KV copy and its state copy: the exit hook's worker dies here, with

@@ -113,11 +113,10 @@ class WorkerService(Actor[ToWorker]):
         self.state = StatePool(state_spec, plan.num_state_slots + graphs, self.device)
         self.num_state_slots = plan.num_state_slots  # the controller's: slot ids past it are the worker's
         layout = host_layout(self.kv, self.state, plan.num_host_pages, plan.num_host_state_slots)
-        c = cfg.cache
+        d = cfg.debug
         faults = CopyFaults(
-            c.debug_transfer_fail_at, c.debug_batch_fail_at_transfer, c.debug_worker_exit_at_transfer,
-            c.debug_transfer_direction,
-            exit_marker=instance_dir(cfg) / "debug-worker-exit.fired" if c.debug_worker_exit_at_transfer else None,
+            d.transfer_fail_at, d.batch_fail_at_transfer, d.worker_exit_at_transfer, d.transfer_direction,
+            exit_marker=instance_dir(cfg) / "debug-worker-exit.fired" if d.worker_exit_at_transfer else None,
         )
         self.host = HostTransfer(self.kv, self.state, layout, self.device, faults)
         self.log.info("%s", self.host.describe())
@@ -221,7 +220,7 @@ class WorkerService(Actor[ToWorker]):
                 self.log.error("batch %d: %d copy orders failed: %s", msg.batch_id, len(copies.failed), copies.error)
             if self.host.faults.fail_batch:
                 self.host.faults.fail_batch = False
-                raise RuntimeError("batch failed (debug_batch_fail_at_transfer)")
+                raise RuntimeError("batch failed (debug.batch_fail_at_transfer)")
             left_out: list[str] = []
             if msg.follows >= 0:  # its tokens are the last step's (follow_on.py)
                 msg, frames, left_out = resolve(msg, frames, self._last)

@@ -56,8 +56,8 @@ def _snapshot(c: CacheController) -> tuple:
     return (
         c.device_kv.num_free,
         c.device_state.num_free,
-        tree.device_pages_used if tree else 0,
-        tree.device_states_used if tree else 0,
+        tree.usage().device_pages_used if tree else 0,
+        tree.usage().device_states_used if tree else 0,
         c.host_kv.num_free if c.host_kv else 0,
         hits,
         len(c.requests),

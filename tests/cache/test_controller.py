@@ -104,6 +104,31 @@ def test_exhaustion_is_an_answer_and_leaks_nothing():
     assert ctrl.stats().running_requests == 0
 
 
+def test_a_refused_admission_counts_the_hits_lock_without_taking_it(monkeypatch):
+    """The fit check counts what locking the hit would protect (nano-vllm's can_allocate before
+    allocate): a refusal takes no lock, not even for a moment, and the count still sees that the
+    hit's own pages cannot be evicted for the request that uses them."""
+    ctrl = _ctrl(pages=8, slots=4)
+    shared = list(range(1, 17))  # 4 pages, cached with a state at 16 by the first request
+    _serve(ctrl, "a", shared + [99])
+    tree = ctrl.tree
+    assert ctrl.device_kv.num_free == 4 and tree.usage().device_pages_evictable == 4
+    calls: list[str] = []
+    monkeypatch.setattr(tree, "lock", lambda *a, **k: calls.append("lock"))
+    monkeypatch.setattr(tree, "unlock", lambda *a, **k: calls.append("unlock"))
+    before = tree.usage()
+    # 36 tokens = 9 pages: the hit saves 4 but locks them, leaving 4 free for the other 5. Counting
+    # the hit's pages as evictable would have admitted it; without the hit 9 > 8.
+    res = ctrl.admit(Admit(rid="b", tokens=shared + list(range(100, 120)), num_slots=1))
+    assert not res.ok and "KV pages" in res.reason
+    assert calls == [], "the fit check took a lock"
+    assert tree.usage() == before
+    monkeypatch.undo()
+    fits = ctrl.admit(Admit(rid="c", tokens=shared + list(range(100, 116)), num_slots=1))  # 8 pages
+    assert fits.ok and fits.cached_len == 16
+    ctrl.check_invariants()
+
+
 def test_cache_disabled_only_allocates():
     ctrl = _ctrl(disable_radix_cache=True)
     r = ctrl.admit(Admit(rid="a", tokens=list(range(10)), num_slots=1))

@@ -31,9 +31,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from himamba.common.config import CacheConfig
 from himamba.common.messages import Admit, CancelPrefetch, Prefetch, Release, Transfer
 from himamba.services.cache.controller import CacheController
-from himamba.services.cache.radix_tree import TreeNode
 from himamba.services.cache.storage.base import StorageHit, StorageStats
 from himamba.services.cache.storage.io_workers import JobOutcome, JobResult, StateCopy
+from himamba.services.cache.tree.node import TreeNode
 
 EXAMPLES = int(os.environ.get("HIMAMBA_HYPOTHESIS_EXAMPLES", "60"))
 PS = 2
@@ -509,12 +509,12 @@ class ControllerMachine(RuleBasedStateMachine):
         tree = ctrl.tree
         assert sorted(self.issued) == sorted(self.ended), "an order never ended"
         assert len(self.ended) == len(set(self.ended)), "an order ended twice"
-        assert not ctrl.pending and tree.num_taints == 0
-        assert tree.host_pages_protected == 0 and tree.host_states_protected == 0, "a host pin leaked"
-        assert tree.device_pages_protected == 0 and tree.device_states_protected == 0
-        assert ctrl.device_kv.num_free + tree.device_pages_used == ctrl.device_kv.capacity
+        assert not ctrl.pending and tree.usage().taints == 0
+        assert tree.usage().host_pages_protected == 0 and tree.usage().host_states_protected == 0, "a host pin leaked"
+        assert tree.usage().device_pages_protected == 0 and tree.usage().device_states_protected == 0
+        assert ctrl.device_kv.num_free + tree.usage().device_pages_used == ctrl.device_kv.capacity
         if ctrl.host_kv is not None:
-            assert ctrl.host_kv.num_free + tree.host_pages_used == ctrl.host_kv.capacity
+            assert ctrl.host_kv.num_free + tree.usage().host_pages_used == ctrl.host_kv.capacity
 
 
 _settings = settings(

@@ -74,7 +74,7 @@ class FakeIO:
 
 def _host_snapshot(c):
     t = c.tree
-    return (t.host_pages_used, t.host_states_used, c.host_kv.num_free, c.host_state.num_free)
+    return (t.usage().host_pages_used, t.usage().host_states_used, c.host_kv.num_free, c.host_state.num_free)
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
@@ -121,7 +121,7 @@ def test_the_prefetch_fallback_keeps_its_promises(
     io.hit = StorageHit(num, num, ends)
     prompt = [7 + j for j in range(prompt_pages * PS + 1)]
     before = _host_snapshot(c)
-    free_before, evictable_before = c.host_kv.num_free, t.host_pages_evictable
+    free_before, evictable_before = c.host_kv.num_free, t.usage().host_pages_evictable
     c.apply(Prefetch(rid="p", tokens=prompt))
     c.poll_storage()
     c.check_invariants()
@@ -138,7 +138,7 @@ def test_the_prefetch_fallback_keeps_its_promises(
         assert n <= num
         if n < num:
             assert num - pf.first_page > free_before + evictable_before, "truncated although the whole hit fitted"
-        evicted = before[0] - t.host_pages_used
+        evicted = before[0] - t.usage().host_pages_used
         need = n - pf.first_page
         # eviction is by whole nodes, so it may overshoot; it must not happen when free pages sufficed
         assert evicted == 0 or need > free_before, f"evicted {evicted} host pages for {need} with {free_before} free"
@@ -147,4 +147,4 @@ def test_the_prefetch_fallback_keeps_its_promises(
         t.release_host(p)
     c.check_invariants()
     if not started:
-        assert t.host_pages_protected == 0 and t.host_states_protected == 0
+        assert t.usage().host_pages_protected == 0 and t.usage().host_states_protected == 0

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import pytest
 
 from himamba.services.cache.allocator import PageAllocator, SlotAllocator
-from himamba.services.cache.radix_tree import RadixTree, TreeNode
+from himamba.services.cache.tree.node import TreeNode
+from himamba.services.cache.tree.radix_tree import RadixTree
 
 
 @dataclass
@@ -106,7 +107,7 @@ def test_match_splits_a_node_where_the_match_ends_inside_it():
     assert upper.key == (1, 2, 3, 4) and upper.device_state is None and len(upper.device_pages) == 2
     lower = upper.children[(5, 6)]
     assert lower.key == (5, 6) and lower.device_state is not None and len(lower.device_pages) == 1
-    assert e.tree.num_nodes == 3
+    assert e.tree.usage().nodes == 3
     e.check()
 
 
@@ -212,7 +213,7 @@ def test_insert_rejects_bad_input_naming_the_field(tokens, pages, locked, field)
     e = make(page_size=2)
     with pytest.raises(ValueError, match=field):
         e.tree.insert(tokens, pages, None, locked)
-    assert e.tree.num_nodes == 1
+    assert e.tree.usage().nodes == 1
 
 
 def test_insert_rejects_a_locked_prefix_that_is_not_the_trees():
@@ -235,11 +236,11 @@ def test_lock_covers_path_and_state_and_unlock_releases_exactly():
     b = e.put([1, 2, 3, 4]).node
     r = e.tree.lock(b)
     assert (a.lock_ref, b.lock_ref, b.mamba_lock_ref, a.mamba_lock_ref) == (1, 1, 1, 0)
-    assert e.tree.device_pages_protected == 4 and e.tree.device_states_protected == 1
+    assert e.tree.usage().device_pages_protected == 4 and e.tree.usage().device_states_protected == 1
     e.check()
     e.tree.unlock(r)
     assert (a.lock_ref, b.lock_ref, b.mamba_lock_ref) == (0, 0, 0)
-    assert e.tree.device_pages_protected == 0 and e.tree.device_states_protected == 0
+    assert e.tree.usage().device_pages_protected == 0 and e.tree.usage().device_states_protected == 0
     with pytest.raises(ValueError, match="receipt"):
         e.tree.unlock(r)
     e.check()
@@ -255,7 +256,7 @@ def test_lock_receipt_survives_a_split_of_the_locked_node():
     e.check()
     e.tree.unlock(r)
     assert upper.lock_ref == 0 and node.lock_ref == 0 and node.mamba_lock_ref == 0
-    assert e.tree.device_pages_protected == 0
+    assert e.tree.usage().device_pages_protected == 0
     e.check()
 
 
@@ -269,7 +270,7 @@ def test_state_appearing_between_lock_and_unlock_does_not_unbalance_counters():
     e.tree.insert((1, 2, 3), list(node.device_pages), slot)
     assert node.device_state == slot and node.mamba_lock_ref == 0
     e.tree.unlock(r)
-    assert node.mamba_lock_ref == 0 and e.tree.device_states_protected == 0
+    assert node.mamba_lock_ref == 0 and e.tree.usage().device_states_protected == 0
     e.check()
 
 
@@ -297,7 +298,7 @@ def test_eviction_skips_locked_nodes_and_reports_nothing_evictable():
     assert node.device_pages is not None and node.device_state is not None
     e.tree.unlock(r)
     assert e.tree.evict(10).num_pages == 3
-    assert e.tree.num_nodes == 1 and e.kv.num_free == e.kv.capacity
+    assert e.tree.usage().nodes == 1 and e.kv.num_free == e.kv.capacity
     e.check()
 
 
@@ -339,7 +340,7 @@ def test_write_through_eviction_deletes_unbacked_leaves_and_their_dead_ancestors
     leaf = e.put([1, 2, 3, 4]).node
     res = e.tree.evict(1)
     # The stateless parent (1, 2) is childless afterwards and can never be a hit: deleted too.
-    assert res.num_pages == 4 and e.tree.num_nodes == 1 and not leaf.is_attached
+    assert res.num_pages == 4 and e.tree.usage().nodes == 1 and not leaf.is_attached
     e.check()
 
 
@@ -477,10 +478,10 @@ def test_write_through_backs_up_on_insert_with_the_state():
     assert op.device_pages == res.pages and len(op.host_pages) == 3
     assert op.device_states == [res.node.device_state] and op.host_states == [res.node.host_state]
     assert res.node.host_ref == 1 and res.node.host_mamba_ref == 1
-    assert e.tree.host_pages_protected == 3 and e.tree.host_states_protected == 1
+    assert e.tree.usage().host_pages_protected == 3 and e.tree.usage().host_states_protected == 1
     e.check()
     e.tree.backup_done(op)
-    assert e.tree.host_pages_protected == 0 and e.tree.host_states_protected == 0
+    assert e.tree.usage().host_pages_protected == 0 and e.tree.usage().host_states_protected == 0
     e.check()
 
 
@@ -576,9 +577,9 @@ def test_load_back_that_cannot_get_device_memory_changes_nothing():
     e.tree.evict(3)
     blocker = e.put([5, 6, 7])
     r = e.tree.lock(blocker.node)  # 3 of 4 device pages locked: the 3-page load cannot fit
-    before = (e.kv.num_free, e.tree.device_pages_used, res.node.host_ref)
+    before = (e.kv.num_free, e.tree.usage().device_pages_used, res.node.host_ref)
     assert e.tree.load_back(res.node) is None
-    assert (e.kv.num_free, e.tree.device_pages_used, res.node.host_ref) == before
+    assert (e.kv.num_free, e.tree.usage().device_pages_used, res.node.host_ref) == before
     assert res.node.device_pages is None and blocker.node.device_pages is not None
     e.tree.unlock(r)
     e.check()
@@ -625,13 +626,17 @@ def test_metric_counters_follow_locks_and_tiers():
     e = make(host_pages=16, host_slots=4)
     res = e.put([1, 2, 3])
     t = e.tree
-    assert (t.device_pages_used, t.device_pages_evictable, t.device_states_used) == (3, 3, 1)
-    assert (t.host_pages_used, t.host_pages_protected, t.host_states_protected) == (3, 3, 1)
+    u = t.usage()
+    assert (u.device_pages_used, u.device_pages_evictable, u.device_states_used) == (3, 3, 1)
+    assert (u.host_pages_used, u.host_pages_protected, u.host_states_protected) == (3, 3, 1)
     e.ack(res.backups)
     r = t.lock(res.node)
-    assert (t.device_pages_protected, t.device_states_protected, t.device_states_evictable) == (3, 1, 0)
+    u = t.usage()
+    assert (u.device_pages_protected, u.device_states_protected, u.device_states_evictable) == (3, 1, 0)
     t.unlock(r)
-    assert (t.host_pages_evictable, t.host_states_evictable) == (3, 1)
+    u = t.usage()
+    assert (u.host_pages_evictable, u.host_states_evictable) == (3, 1)
+    assert (u.nodes, u.pending_backups, u.pending_loads, u.taints) == (2, 0, 0, 0)
 
 
 def test_constructor_validates_its_arguments():
@@ -701,7 +706,7 @@ def test_host_eviction_drops_mirrors_of_device_nodes_deepest_first():
     free them (sglang #33862), one node at a time from the bottom, leaving every node on device."""
     e = make(pages=16, host_pages=6, host_slots=4)
     a, b, c = _chain(e, 2, 4, 6)
-    assert e.hkv.num_free == 0 and e.tree.host_pages_evictable == 6
+    assert e.hkv.num_free == 0 and e.tree.usage().host_pages_evictable == 6
     dev = {n: list(n.device_pages) for n in (a, b, c)}
     res = e.tree.evict_host(1)
     assert (res.num_host_pages, res.num_host_states, res.num_pages, res.num_states) == (2, 1, 0, 0)
@@ -710,7 +715,7 @@ def test_host_eviction_drops_mirrors_of_device_nodes_deepest_first():
     assert e.tree.evict_host(2).num_host_pages == 2 and b.host_pages is None and a.host_pages is not None
     e.check()
     assert e.tree.evict_host(100).num_host_pages == 2
-    assert e.hkv.num_free == 6 and e.hst.num_free == 4 and e.tree.host_pages_evictable == 0
+    assert e.hkv.num_free == 6 and e.hst.num_free == 4 and e.tree.usage().host_pages_evictable == 0
     for n in (a, b, c):
         assert n.is_attached and n.device_pages == dev[n] and n.device_state is not None
     m = e.tree.match_prefix([1, 2, 3, 4, 5, 6, 7])
@@ -743,10 +748,10 @@ def test_pinned_mirrors_and_their_ancestors_are_not_host_evictable():
     e.ack(other.backups)
     pin = e.tree.protect_host(b, kv=True)
     # a and b are held (b pinned, a above it): only side and other are freeable.
-    assert e.tree.host_pages_protected == 4 and e.tree.host_pages_evictable == 4
+    assert e.tree.usage().host_pages_protected == 4 and e.tree.usage().host_pages_evictable == 4
     e.check()
     res = e.tree.evict_host(100)
-    assert res.num_host_pages == 4 and e.tree.host_pages_evictable == 0
+    assert res.num_host_pages == 4 and e.tree.usage().host_pages_evictable == 0
     assert side.node.host_pages is None and other.node.host_pages is None
     assert a.host_pages is not None and b.host_pages is not None
     e.check()
@@ -754,7 +759,7 @@ def test_pinned_mirrors_and_their_ancestors_are_not_host_evictable():
     state_pin = e.tree.protect_host(b, kv=False, state=True)  # a state pin holds the KV too
     assert e.tree.evict_host(100).num_host_pages == 0
     e.tree.release_host(state_pin)
-    assert e.tree.host_pages_evictable == 4 and e.tree.evict_host(100).num_host_pages == 4
+    assert e.tree.usage().host_pages_evictable == 4 and e.tree.evict_host(100).num_host_pages == 4
     assert a.device_pages is not None and b.device_pages is not None
     e.check()
 
@@ -763,9 +768,9 @@ def test_a_pending_backup_holds_its_path_against_host_eviction():
     e = make(pages=16, host_pages=16, host_slots=4)
     _chain(e, 2)
     res = e.put([1, 2, 3, 4])  # its backup is pending: [3, 4] pinned, [1, 2] held above it
-    assert e.tree.host_pages_protected == 4 and e.tree.evict_host(100).num_host_pages == 0
+    assert e.tree.usage().host_pages_protected == 4 and e.tree.evict_host(100).num_host_pages == 0
     e.ack(res.backups)
-    assert e.tree.host_pages_protected == 0 and e.tree.evict_host(100).num_host_pages == 4
+    assert e.tree.usage().host_pages_protected == 0 and e.tree.evict_host(100).num_host_pages == 4
     e.check()
 
 

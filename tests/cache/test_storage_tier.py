@@ -16,12 +16,12 @@ from himamba.common.messages import Admit, CancelPrefetch, Insert, Prefetch, Rel
 from himamba.services.cache.allocator import PageAllocator, SlotAllocator
 from himamba.services.cache.controller import CacheController
 from himamba.services.cache.keys import page_keys
-from himamba.services.cache.radix_tree import RadixTree
 from himamba.services.cache.storage.base import HEADER_BYTES
 from himamba.services.cache.storage.file import FileBackend
 from himamba.services.cache.storage.flaky import FlakyBackend
 from himamba.services.cache.storage.io_workers import StorageIO
 from himamba.services.cache.storage_tier import PrefetchPlan
+from himamba.services.cache.tree.radix_tree import RadixTree
 
 PS = 4
 PAGE_BYTES = 64
@@ -98,7 +98,7 @@ class Rig:
             self.ctrl.poll_storage()
         self.ctrl.check_invariants()
         t = self.ctrl.tree
-        assert t.host_pages_protected == 0 and t.host_states_protected == 0
+        assert t.usage().host_pages_protected == 0 and t.usage().host_states_protected == 0
 
     def close(self) -> None:
         self.tier.close()
@@ -225,7 +225,7 @@ def test_cancel_and_failing_storage_leak_nothing(tmp_path):
         rig.serve(f"r{i}", toks + [i, i])
     rig.drain()
     host = rig.ctrl.tree
-    assert rig.ctrl.host_kv.num_free + host.host_pages_used == rig.ctrl.host_kv.capacity
+    assert rig.ctrl.host_kv.num_free + host.usage().host_pages_used == rig.ctrl.host_kv.capacity
     rig.close()
 
 
@@ -288,7 +288,7 @@ def _full_host(store, threshold_pages):
     for i in range(3):
         rig.serve(f"o{i}", _prompt(9, 100 + i), prefetch=False)  # 2 pages each, backed up to host
     rig.drain()
-    assert rig.ctrl.tree.host_pages_used == 6 and rig.ctrl.host_kv.num_free == 0
+    assert rig.ctrl.tree.usage().host_pages_used == 6 and rig.ctrl.host_kv.num_free == 0
     return rig
 
 
@@ -300,7 +300,7 @@ def test_the_fallback_leaves_the_host_tier_untouched_when_it_would_land_below_th
     rig.ctrl.apply(Prefetch(rid="d", tokens=toks + [3]))
     _wait_lookup(rig, "d")
     assert rig.tier.counters.outcomes["prefetch_no_host_memory"] == 1
-    assert rig.ctrl.tree.host_pages_used == 6, "the host tier was evicted for a prefetch then abandoned"
+    assert rig.ctrl.tree.usage().host_pages_used == 6, "the host tier was evicted for a prefetch then abandoned"
     rig.ctrl.apply(CancelPrefetch(rid="d"))
     rig.drain()
     rig.close()
@@ -331,7 +331,7 @@ def test_the_anchor_stays_pinned_through_the_lookup(tmp_path):
     tree = rig.ctrl.tree
     tree.evict(10**6)
     tree.evict_host(10**6)  # host pressure while the lookup runs
-    assert tree.host_pages_used == 4, "the anchor was evicted during the lookup"
+    assert tree.usage().host_pages_used == 4, "the anchor was evicted during the lookup"
     res = rig.serve("p", toks + [5])
     assert "prefetch_anchor_gone" not in rig.tier.counters.outcomes
     assert res.cached_len == 40 and res.cached.storage == 24 and res.cached.host == 16
@@ -455,12 +455,12 @@ def test_a_prefetch_that_cannot_have_a_host_state_slot_evicts_nothing(tmp_path):
             holder = n
     assert holder is not None
     pin = tree.protect_host(holder, kv=False, state=True)
-    assert rig.ctrl.host_state.num_free == 0 and tree.host_states_evictable == 0
-    used = tree.host_pages_used
+    assert rig.ctrl.host_state.num_free == 0 and tree.usage().host_states_evictable == 0
+    used = tree.usage().host_pages_used
     rig.ctrl.apply(Prefetch(rid="p", tokens=toks))
     _wait_lookup(rig, "p")
     assert rig.tier.counters.outcomes["prefetch_no_host_slot"] == 1
-    assert tree.host_pages_used == used, "host KV was evicted for a prefetch that was then refused"
+    assert tree.usage().host_pages_used == used, "host KV was evicted for a prefetch that was then refused"
     tree.release_host(pin)
     rig.ctrl.apply(CancelPrefetch(rid="p"))
     rig.drain()

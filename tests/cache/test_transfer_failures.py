@@ -121,10 +121,10 @@ def settled(ctrl: CacheController, w: FakeWorker) -> None:
     ctrl.take_transfers()
     ctrl.check_invariants()
     check_oracle(ctrl, w)
-    t = ctrl.tree
-    assert t.host_pages_protected == 0 and t.host_states_protected == 0, "a host pin leaked"
-    assert t.num_pending_backups == 0 and t.num_pending_loads == 0
-    assert t.num_taints == 0
+    u = ctrl.tree.usage()
+    assert u.host_pages_protected == 0 and u.host_states_protected == 0, "a host pin leaked"
+    assert u.pending_backups == 0 and u.pending_loads == 0
+    assert u.taints == 0
     assert sorted(w.issued) == sorted(w.ended) == sorted(set(w.ended)), "an order did not end exactly once"
 
 
@@ -135,12 +135,12 @@ def test_failed_load_back_is_rolled_back_after_the_request_lets_go():
     ctrl, w = make()
     serve(ctrl, w, "a", PROMPT)
     ctrl.tree.evict(100)  # write_through: demoted to host
-    assert ctrl.tree.device_pages_used == 0 and ctrl.tree.host_pages_used == 6
+    assert ctrl.tree.usage().device_pages_used == 0 and ctrl.tree.usage().host_pages_used == 6
     res, ok = serve(ctrl, w, "b", PROMPT, fail=lambda t: t.direction == "h2d")
     assert not ok and res.cached.host == 24
     # The failed request let go and the loaded copies are gone; the host copy is intact.
     assert ctrl.failed_transfers == 1
-    assert ctrl.tree.device_pages_used == 0 and ctrl.tree.host_pages_used == 6
+    assert ctrl.tree.usage().device_pages_used == 0 and ctrl.tree.usage().host_pages_used == 6
     settled(ctrl, w)
     res, ok = serve(ctrl, w, "c", PROMPT)
     assert ok and res.cached_len == 24 and res.cached.host == 24
@@ -154,7 +154,7 @@ def test_a_tainted_node_is_not_matched_while_its_rollback_waits_for_a_lock():
     res = ctrl.admit(Admit(rid="b", tokens=PROMPT, num_slots=1))
     assert res.ok and res.cached.host == 24
     w.run(fail=lambda t: t.direction == "h2d")
-    assert ctrl.tree.num_taints == 1  # b still holds the lock on the unwritten copy
+    assert ctrl.tree.usage().taints == 1  # b still holds the lock on the unwritten copy
     other = ctrl.admit(Admit(rid="c", tokens=PROMPT, num_slots=1))
     assert other.ok and other.cached_len == 0, "a hit on memory that was never written"
     ctrl.release(Release(rid="c"))
@@ -177,7 +177,7 @@ def test_failed_backup_drops_the_host_copy_and_its_pins():
     ctrl.release(Release(rid="b", tokens=PROMPT[:24], slot=res.slots[0]))
     bad = w.run(fail=lambda t: t.direction == "d2h")
     assert len(bad) == 1
-    assert ctrl.tree.host_pages_used == 2, "the unwritten host copy must be forgotten"
+    assert ctrl.tree.usage().host_pages_used == 2, "the unwritten host copy must be forgotten"
     settled(ctrl, w)
     ctrl.tree.evict(100)  # the node without a host copy is deleted, not demoted onto garbage
     settled(ctrl, w)
@@ -204,7 +204,7 @@ def test_a_failure_after_a_split_rolls_back_both_halves():
     ctrl.tree.evict(100)
     res = ctrl.admit(Admit(rid="b", tokens=PROMPT, num_slots=1))
     w.run(fail=lambda t: t.direction == "h2d")
-    assert ctrl.tree.num_taints == 1
+    assert ctrl.tree.usage().taints == 1
     # A request sharing 2 pages splits the tainted node while its rollback waits.
     res2 = ctrl.admit(Admit(rid="c", tokens=PROMPT[:8] + [1, 2, 3, 4, 5], num_slots=1))
     assert res2.ok and res2.cached_len == 0

@@ -26,7 +26,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from himamba.services.cache.allocator import PageAllocator, SlotAllocator
-from himamba.services.cache.radix_tree import BackupOp, HostPin, LoadOp, LockReceipt, RadixTree, TreeNode
+from himamba.services.cache.tree.node import HostPin, LockReceipt, TreeNode
+from himamba.services.cache.tree.orders import BackupOp, LoadOp
+from himamba.services.cache.tree.radix_tree import RadixTree
 
 EXAMPLES = int(os.environ.get("HIMAMBA_HYPOTHESIS_EXAMPLES", "60"))
 Prefix = tuple[int, ...]
@@ -301,14 +303,14 @@ class TreeMachine(RuleBasedStateMachine):
             assert not res.backups
         if freed < n:  # it stopped early only because nothing more was evictable
             if kind == "kv":
-                assert tree.device_pages_evictable == 0
+                assert tree.usage().device_pages_evictable == 0
             elif kind == "state":
-                assert tree.device_states_evictable == 0
+                assert tree.usage().device_states_evictable == 0
             elif kind == "host_kv":  # host-only leaves and mirrors of device nodes are both gone
                 assert len(tree._host_leaves) == 0 and len(tree._host_mirrors) == 0
-                assert tree.host_pages_evictable == 0
+                assert tree.usage().host_pages_evictable == 0
             else:
-                assert tree.host_states_evictable == 0
+                assert tree.usage().host_states_evictable == 0
 
     # ------------------------------------------------------------------ transfers
 
@@ -379,7 +381,13 @@ class TreeMachine(RuleBasedStateMachine):
             nodes = self.all_nodes()
             stateless = [n for n in nodes if n.device_pages is not None and n.device_state is None]
             node = data.draw(st.sampled_from(stateless if stateless and data.draw(st.booleans()) else nodes))
+            cost, before = self.tree.lock_cost(node), self.tree.usage()
+            assert self.tree.usage() == before, "lock_cost changed the tree"
             self.extra_locks.append(self.tree.lock(node))
+            after = self.tree.usage()
+            got = (after.device_pages_protected - before.device_pages_protected,
+                   after.device_states_protected - before.device_states_protected)  # fmt: skip
+            assert got == tuple(cost), f"lock_cost said {cost}, the lock protected {got}"
 
     @rule(data=st.data(), kv=st.booleans(), state=st.booleans(), release=st.booleans())
     def host_protection(self, data, kv, state, release):
@@ -592,8 +600,8 @@ class TreeMachine(RuleBasedStateMachine):
                 self.st.free([req.slot])
             self.tree.unlock(req.receipt)
         tree = self.tree
-        assert tree.device_pages_protected == 0 and tree.device_states_protected == 0
-        assert tree.host_pages_protected == 0 and tree.host_states_protected == 0
+        assert tree.usage().device_pages_protected == 0 and tree.usage().device_states_protected == 0
+        assert tree.usage().host_pages_protected == 0 and tree.usage().host_states_protected == 0
         for _ in range(4):  # write_back demotes (issuing backups) before host eviction can delete
             for res in (tree.evict(10**6), tree.evict_state(10**6), tree.evict_host(10**6), tree.evict_host_state(10**6)):
                 for op in res.backups:
@@ -604,7 +612,7 @@ class TreeMachine(RuleBasedStateMachine):
             assert self.hkv.num_free == self.hkv.capacity
         if self.hst is not None:
             assert self.hst.num_free == self.hst.capacity
-        assert tree.num_nodes == 1
+        assert tree.usage().nodes == 1
 
 
 class TreeMachinePage4(TreeMachine):

@@ -62,7 +62,31 @@ def test_flags_are_generated_from_fields():
 
 
 def test_debug_hooks_still_work_when_hidden():
-    assert _parse(["--debug-storage-fail-rate", "0.5"]).cache.debug_storage_fail_rate == 0.5
+    assert _parse(["--debug-storage-fail-rate", "0.5"]).debug.storage_fail_rate == 0.5
+
+
+def test_the_debug_table_holds_every_test_hook_under_its_old_flag(tmp_path):
+    """The hooks moved from [cache]/[scheduler] into one [debug] table; their flags kept the names
+    they had (`--debug-` + the field), and nothing else in the tree is a test hook."""
+    flags = {info.flag: info for info in fields() if info.section == "debug"}
+    assert set(flags) == {
+        "--debug-fail-lazy-alloc", "--debug-storage-fail-rate", "--debug-storage-slow-s",
+        "--debug-storage-prefetch-stall-pages", "--debug-transfer-direction", "--debug-transfer-fail-at",
+        "--debug-batch-fail-at-transfer", "--debug-worker-exit-at-transfer",
+    }  # fmt: skip
+    assert all(info.hidden for info in flags.values())
+    cfg = _parse(["--debug-transfer-direction", "h2d", "--debug-transfer-fail-at", "2", "--debug-fail-lazy-alloc"])
+    assert (cfg.debug.transfer_direction, cfg.debug.transfer_fail_at, cfg.debug.fail_lazy_alloc) == ("h2d", 2, True)
+    assert cfg.cache == Config().cache and cfg.scheduler == Config().scheduler
+    f = tmp_path / "c.toml"
+    f.write_text("[debug]\nworker_exit_at_transfer = 3\n")
+    assert _parse(["--config", str(f)]).debug.worker_exit_at_transfer == 3
+    f.write_text("[cache]\ndebug_worker_exit_at_transfer = 3\n")  # the old place is refused, by name
+    with pytest.raises(ConfigError, match="debug_worker_exit_at_transfer"):
+        _parse(["--config", str(f)])
+    with pytest.raises(ConfigError, match=r"--debug-transfer-fail-at \(debug\.transfer_fail_at\)"):
+        f.write_text("[debug]\ntransfer_fail_at = -1\n")
+        _parse(["--config", str(f)])
 
 
 @pytest.mark.parametrize(

@@ -70,5 +70,5 @@ def test_failed_copies_fail_their_batch_only_and_leak_nothing(server_factory, mo
         assert st.failed_transfers >= 1
     else:
         # The hook fired; its batch may have carried copies only (no request to fail), so errors may be 0.
-        assert "debug_batch_fail_at_transfer" in s.log(), errors
+        assert "debug.batch_fail_at_transfer" in s.log(), errors
     assert s.proc.poll() is None, "the server died"

@@ -332,7 +332,7 @@ def test_a_worker_killed_during_a_copy_is_restarted_and_nothing_leaks(tmp_path: 
     from himamba.common.client import Client
     from tests.worker.hf_reference import greedy, load_reference
 
-    with _supervisord(tmp_path, "\n[cache]\ndebug_worker_exit_at_transfer = 1\n") as sv:
+    with _supervisord(tmp_path, "\n[debug]\nworker_exit_at_transfer = 1\n") as sv:
         _wait_log(sv, "cache", "waiting for the worker")
         sv.ctl("start", "himamba:worker")
         deadline = time.monotonic() + 180

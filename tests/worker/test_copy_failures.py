@@ -47,7 +47,7 @@ def test_every_order_ends_once_and_orders_after_a_failure_do_not_run(copier):
         Transfer(3, "d2h", [3], [3]),
     ]
     out = h.run_orders(orders)
-    assert out.done == [1] and out.failed == [2, 3] and "debug_transfer_fail_at" in out.error
+    assert out.done == [1] and out.failed == [2, 3] and "debug.transfer_fail_at" in out.error
     assert h.host.kv is not None and float(h.host.kv[3].abs().sum()) == 0.0, "an order after the failure ran"
     assert h.unwritten.dev_pages == {2} and h.unwritten.dev_slots == {1} and h.unwritten.host_pages == {3}
 

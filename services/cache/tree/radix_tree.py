@@ -1,10 +1,9 @@
 """The tiered radix tree: token-page prefixes -> device KV, device state, host KV, host state.
 
-A node is a run of whole pages. Its KV may be on device (`device_pages`), on host (`host_pages`) or
-both; a recurrent state is valid only at the exact prefix length where it was captured, so a node
-may hold a state (device slot and/or host slot) only at its END.
+A node is a run of whole pages (node.py: the node, its counts and the receipts that record them).
+Its KV may be on device, on host or both; a state may sit only at a node's END.
 
-Structural invariants (checked by `check_invariants`):
+Structural invariants (checked by `check_invariants`, in invariants.py):
 
     root ─ A ─ B ─ C          device KV is top-closed: a node on device has its parent on device,
              └ D              host KV is top-closed too, and every non-root node holds KV on device
@@ -12,16 +11,6 @@ Structural invariants (checked by `check_invariants`):
     state on device => KV on device;  state on host => KV on host.
     lock_ref >= mamba_lock_ref;  lock_ref > 0 => on device;  parent.lock_ref >= sum(device children).
     host_ref > 0 => host KV;  host_mamba_ref > 0 => host state.
-
-Reference counts. `lock_ref` counts requests using the node's device KV (a lock covers the node
-and every on-device ancestor), `mamba_lock_ref` the requests using its device state. `host_ref`
-and `host_mamba_ref` pin host KV and the host state while a transfer reads or writes them.
-
-Receipts survive splits. A split keeps the original node object as the LOWER part (it keeps the
-state, the children and the identity) and inserts a new upper node that inherits lock_ref and
-host_ref. Every receipt or transfer therefore records only its deepest node and the exclusive
-node above its range, and releases by walking parents: a split inside the range adds a node that
-carries the same counts, and a split of the boundary node happens above the boundary.
 
 Eviction order. Device KV is evicted leaf by leaf (a leaf whose children are all off device counts),
 states over all nodes. Host KV goes by deleting host-only leaves first; once none is left, host
@@ -54,225 +43,27 @@ Single-threaded: the cache controller calls every method from one thread.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from dataclasses import dataclass
+from typing import Literal
 
 from himamba.services.cache.allocator import PageAllocator, SlotAllocator
 from himamba.services.cache.eviction import EVICTION_POLICIES, EXPIRED, EvictionQueue, make_queue
+from himamba.services.cache.tree.invariants import check_tree
+from himamba.services.cache.tree.node import HostPin, LockReceipt, TreeNode
+from himamba.services.cache.tree.orders import BackupOp, LoadOp
+from himamba.services.cache.tree.results import (
+    EvictResult,
+    HostInsertResult,
+    InsertResult,
+    LockCost,
+    MatchResult,
+    ProbeResult,
+    StateTier,
+    TreeUsage,
+)
 
 WritePolicy = Literal["write_back", "write_through", "write_through_selective"]
 WRITE_POLICIES: tuple[str, ...] = ("write_back", "write_through", "write_through_selective")
-StateTier = Literal["device", "host", "none"]
-
-
-class TreeNode:
-    """One run of whole pages. Fields are managed by RadixTree; read them, do not write them."""
-
-    __slots__ = (
-        "id",
-        "key",
-        "parent",
-        "children",
-        "device_pages",
-        "device_state",
-        "host_pages",
-        "host_state",
-        "lock_ref",
-        "mamba_lock_ref",
-        "host_ref",
-        "host_mamba_ref",
-        "hit_count",
-        "state_hit_count",
-        "last_access",
-        "state_access",
-        "num_device_children",
-        "num_host_children",
-        "num_held_host_children",
-        "host_held",
-        "warm",
-        "state_warm",
-        "page_hashes",
-    )
-
-    def __init__(self, node_id: int, key: tuple[int, ...], parent: TreeNode | None) -> None:
-        self.id = node_id
-        self.key = key
-        self.parent = parent
-        self.children: dict[tuple[int, ...], TreeNode] = {}
-        self.device_pages: list[int] | None = None
-        self.device_state: int | None = None
-        self.host_pages: list[int] | None = None
-        self.host_state: int | None = None
-        self.lock_ref = 0
-        self.mamba_lock_ref = 0
-        self.host_ref = 0
-        self.host_mamba_ref = 0
-        self.hit_count = 0
-        self.state_hit_count = 0
-        self.last_access = 0  # KV recency (use stamp)
-        self.state_access = 0  # state recency; refreshed only when this node's state is consumed
-        self.num_device_children = 0
-        self.num_host_children = 0
-        # Host KV that host eviction cannot free now: pinned (host_ref / host_mamba_ref) or above a held
-        # child, since host KV is top-closed. Kept by RadixTree._refresh_hold.
-        self.num_held_host_children = 0
-        self.host_held = False
-        # Proven reuse, for scan-resistant eviction: the KV / the state was hit, or was inserted by a
-        # request that continued a hit (the frontier of a conversation that is being reused).
-        self.warm = False
-        self.state_warm = False
-        # Per-page storage keys, filled by the storage tier later; split together with the pages.
-        self.page_hashes: list[bytes] | None = None
-
-    def protect_host(self) -> None:
-        """Count one more user of the host KV (the tree's protect_host keeps its sets in step)."""
-        self.host_ref += 1
-
-    def release_host(self) -> None:
-        """Drop one user of the host KV; RuntimeError when it is already zero."""
-        if self.host_ref <= 0:
-            raise RuntimeError(f"node {self.id}: host_ref released below zero")
-        self.host_ref -= 1
-
-    def protect_host_mamba(self) -> None:
-        """Count one more user of the host state."""
-        self.host_mamba_ref += 1
-
-    def release_host_mamba(self) -> None:
-        """Drop one user of the host state; RuntimeError when it is already zero."""
-        if self.host_mamba_ref <= 0:
-            raise RuntimeError(f"node {self.id}: host_mamba_ref released below zero")
-        self.host_mamba_ref -= 1
-
-    @property
-    def on_device(self) -> bool:
-        return self.device_pages is not None
-
-    @property
-    def on_host(self) -> bool:
-        return self.host_pages is not None
-
-    @property
-    def is_attached(self) -> bool:
-        """False once the node was deleted from its tree (the root is always attached)."""
-        return self.parent is not None or not self.key
-
-    def __repr__(self) -> str:
-        return (
-            f"TreeNode(id={self.id}, len={len(self.key)}, dev={self.device_pages is not None}, "
-            f"host={self.host_pages is not None}, dstate={self.device_state}, hstate={self.host_state}, "
-            f"lock={self.lock_ref}/{self.mamba_lock_ref}, host_ref={self.host_ref}/{self.host_mamba_ref})"
-        )
-
-
-class MatchResult(NamedTuple):
-    """What a prefix match found. `node` is the deepest node with a state on device or host."""
-
-    node: TreeNode
-    cached_len: int  # tokens up to `node`: usable once the host part is loaded
-    device_pages: list[int]  # device pages of the on-device part of root..node
-    device_len: int
-    host_len: int  # cached_len - device_len: KV to load from host
-    state_tier: StateTier
-    kv_match_len: int  # deepest whole-page KV match (device or host); may exceed cached_len
-    device_node: TreeNode  # deepest node whose KV and state are both on device (usable without a load)
-    device_cached_len: int
-    backups: list[BackupOp]  # write_through_selective orders triggered by this hit
-    path: tuple[TreeNode, ...] = ()  # root's child .. node (what `record_hit` counts)
-
-
-@dataclass(eq=False, slots=True)
-class LockReceipt:
-    """Exactly what `lock` incremented: lock_ref on `device_node` and each ancestor, and
-    mamba_lock_ref on `state_node`. `unlock` replays it."""
-
-    node: TreeNode
-    device_node: TreeNode | None  # deepest locked node; None when nothing was on device
-    state_node: TreeNode | None
-    released: bool = False
-
-
-@dataclass(eq=False, slots=True)
-class HostPin:
-    """Exactly what `protect_host` pinned: host_ref over node's range (node up to, not including,
-    `top`, its parent at pin time) and/or host_mamba_ref on node. `release_host` replays it."""
-
-    node: TreeNode
-    kv: bool
-    state: bool
-    top: TreeNode
-    released: bool = False
-
-
-class InsertResult(NamedTuple):
-    """Outcome of an insert. `pages` are the tree's device pages for the inserted tokens."""
-
-    node: TreeNode  # the node ending exactly at len(tokens) (root for empty tokens)
-    pages: list[int]
-    num_dup_freed: int
-    state_used: bool  # False: the node already had a device state; the tree freed the given slot
-    backups: list[BackupOp]
-
-
-class HostInsertResult(NamedTuple):
-    """Outcome of a prefetch-insert (`RadixTree.insert_host`)."""
-
-    node: TreeNode  # the deepest node reached (ends at len(tokens) when attached)
-    attached: bool  # False: the prefix before the fetched pages had left the host; the rest was freed
-    num_dup_freed: int  # fetched pages freed because the tree already held them on host
-    state_used: bool
-
-
-class ProbeResult(NamedTuple):
-    """What `RadixTree.probe` found for a prompt."""
-
-    cached_len: int  # deepest prefix ending at a state (device or host)
-    host_len: int  # deepest prefix wholly on host (the storage tier fetches from here)
-
-
-class EvictResult(NamedTuple):
-    """How much an eviction freed in each pool, and the backup orders it issued (write_back)."""
-
-    num_pages: int
-    num_states: int
-    num_host_pages: int
-    num_host_states: int
-    backups: list[BackupOp]
-
-
-@dataclass(frozen=True, eq=False, slots=True)
-class BackupOp:
-    """Device -> host copy order: device_pages[i] -> host_pages[i], device_states[i] -> host_states[i].
-
-    The host side stays protected until `RadixTree.backup_done(op)`."""
-
-    op_id: int
-    device_pages: list[int]
-    host_pages: list[int]
-    device_states: list[int]
-    host_states: list[int]
-    node: TreeNode
-    _bottom: TreeNode | None = field(repr=False)  # deepest node whose host KV was protected
-    _top: TreeNode = field(repr=False)  # first node above the protected range (exclusive)
-    _state_node: TreeNode | None = field(repr=False)
-
-
-@dataclass(frozen=True, eq=False, slots=True)
-class LoadOp:
-    """Host -> device copy order: host_pages[i] -> device_pages[i], host_states[i] -> device_states[i].
-
-    The host side stays protected until `RadixTree.load_back_done(op)`."""
-
-    op_id: int
-    device_pages: list[int]
-    host_pages: list[int]
-    device_states: list[int]
-    host_states: list[int]
-    node: TreeNode
-    backups: list[BackupOp]  # write_back orders issued while making room: send them BEFORE this load
-    _bottom: TreeNode | None = field(repr=False)
-    _top: TreeNode = field(repr=False)
-    _state_node: TreeNode | None = field(repr=False)
 
 
 @dataclass(eq=False, slots=True)
@@ -373,77 +164,28 @@ class RadixTree:
         self._host_states_used = 0
         self._host_states_protected = 0
 
-    # ------------------------------------------------------------------ metrics
+    # ------------------------------------------------------------------ usage
 
     @property
     def root(self) -> TreeNode:
         return self._root
 
-    @property
-    def num_nodes(self) -> int:
-        """Nodes in the tree, root included."""
-        return self._num_nodes
-
-    @property
-    def device_pages_used(self) -> int:
-        return self._dev_pages_used
-
-    @property
-    def device_pages_protected(self) -> int:
-        """Device pages of locked nodes."""
-        return self._dev_pages_protected
-
-    @property
-    def device_pages_evictable(self) -> int:
-        """Device pages of unlocked nodes: all of them can be freed by repeated `evict`."""
-        return self._dev_pages_used - self._dev_pages_protected
-
-    @property
-    def device_states_used(self) -> int:
-        return self._dev_states_used
-
-    @property
-    def device_states_protected(self) -> int:
-        return self._dev_states_protected
-
-    @property
-    def device_states_evictable(self) -> int:
-        return self._dev_states_used - self._dev_states_protected
-
-    @property
-    def host_pages_used(self) -> int:
-        return self._host_pages_used
-
-    @property
-    def host_pages_protected(self) -> int:
-        """Host pages that host eviction cannot free now: those of nodes pinned by host_ref or
-        host_mamba_ref (a transfer is reading or writing them) and of their ancestors."""
-        return self._host_pages_protected
-
-    @property
-    def host_pages_evictable(self) -> int:
-        """Host pages repeated `evict_host` can free: host-only nodes and mirrors of device nodes."""
-        return self._host_pages_used - self._host_pages_protected
-
-    @property
-    def host_states_used(self) -> int:
-        return self._host_states_used
-
-    @property
-    def host_states_protected(self) -> int:
-        return self._host_states_protected
-
-    @property
-    def host_states_evictable(self) -> int:
-        return self._host_states_used - self._host_states_protected
-
-    @property
-    def num_pending_backups(self) -> int:
-        return len(self._pending_backups)
-
-    @property
-    def num_pending_loads(self) -> int:
-        return len(self._pending_loads)
+    def usage(self) -> TreeUsage:
+        """The pool counters at this moment (O(1)); see TreeUsage for what each one means."""
+        return TreeUsage(
+            self._num_nodes,
+            self._dev_pages_used,
+            self._dev_pages_protected,
+            self._dev_states_used,
+            self._dev_states_protected,
+            self._host_pages_used,
+            self._host_pages_protected,
+            self._host_states_used,
+            self._host_states_protected,
+            len(self._pending_backups),
+            len(self._pending_loads),
+            len(self._taints),
+        )
 
     # ------------------------------------------------------------------ match
 
@@ -506,7 +248,17 @@ class RadixTree:
                 device_len += len(n.key)
         tier: StateTier = "none" if best is root else ("device" if best.device_state is not None else "host")
         m = MatchResult(
-            best, best_len, device_pages, device_len, best_len - device_len, tier, pos, dev_best, dev_best_len, [], hit_path
+            best,
+            best_len,
+            device_pages,
+            device_len,
+            best_len - device_len,
+            tier,
+            pos,
+            dev_best,
+            dev_best_len,
+            [],
+            hit_path,
         )
         return self.record_hit(m) if touch else m
 
@@ -566,7 +318,11 @@ class RadixTree:
             if child is None or child in self._tainted:
                 break
             key = child.key
-            m = len(key) if pos + len(key) <= end and toks[pos : pos + len(key)] == key else self._common_len(toks, pos, end, key)
+            m = (
+                len(key)
+                if pos + len(key) <= end and toks[pos : pos + len(key)] == key
+                else self._common_len(toks, pos, end, key)
+            )
             on_host = on_host and child.host_pages is not None
             if on_host:
                 host_len = pos + m
@@ -682,6 +438,23 @@ class RadixTree:
             n.lock_ref += 1
             n = n.parent  # type: ignore[assignment]
         return LockReceipt(node, d if d is not root else None, state_node)
+
+    def lock_cost(self, node: TreeNode, *, state: bool = True) -> LockCost:
+        """What `lock(node, state=state)` would protect that is evictable now, counted without
+        locking: a check can ask it and change nothing (nano-vllm's can_allocate before allocate)."""
+        self._check_attached(node, "node")
+        root = self._root
+        n = node
+        while n.device_pages is None:
+            n = n.parent  # type: ignore[assignment]  # the root has pages, so the walk stops
+        pages = 0
+        # A locked node has locked ancestors (parent.lock_ref >= its device children's), so the
+        # walk stops at the first one.
+        while n is not root and n.lock_ref == 0:
+            pages += len(n.device_pages)  # type: ignore[arg-type]
+            n = n.parent  # type: ignore[assignment]
+        states = int(state and node.device_state is not None and node.mamba_lock_ref == 0)
+        return LockCost(pages, states)
 
     def unlock(self, receipt: LockReceipt) -> None:
         """Release exactly what the receipt recorded; ValueError if it was already released."""
@@ -1298,9 +1071,9 @@ class RadixTree:
         receipt = self.lock(node)
         try:
             # Everything unlocked is evictable, so this decides up front and never evicts in vain.
-            if self._device_kv.num_free + self.device_pages_evictable < need:
+            if self._device_kv.num_free + self._dev_pages_used - self._dev_pages_protected < need:
                 return None
-            if want_state and self._device_state.num_free + self.device_states_evictable < 1:
+            if want_state and self._device_state.num_free + self._dev_states_used - self._dev_states_protected < 1:
                 return None
             for x in seg:
                 self._protect_host_kv(x)
@@ -1385,11 +1158,6 @@ class RadixTree:
             raise ValueError(f"op: load {op.op_id} is not pending in this tree")
         self._release_range(op._bottom, op._top, op._state_node)
         return self._taint(op._bottom, op._top, op._state_node, "device")
-
-    @property
-    def num_taints(self) -> int:
-        """Failed orders whose rollback waits for a lock or pin to go."""
-        return len(self._taints)
 
     def tainted(self, node: TreeNode) -> bool:
         """Whether root..node runs through a copy a failed order never wrote (rollback pending)."""
@@ -1643,216 +1411,4 @@ class RadixTree:
         external_* are the indices owned outside the tree (running requests); every index of every
         pool must be free XOR owned by exactly one node XOR external. O(tree + pools): tests only.
         """
-        ps = self.page_size
-        root = self._root
-
-        def fail(node: TreeNode, what: str) -> None:
-            raise AssertionError(f"node {node.id}: {what}")
-
-        if root.key != () or root.device_pages != [] or root.host_pages != [] or root.parent is not None:
-            fail(root, "root must have an empty key, [] pages on both tiers and no parent")
-        if root.device_state is not None or root.host_state is not None:
-            fail(root, "root must not hold a state")
-        if root.lock_ref or root.mamba_lock_ref or root.host_ref or root.host_mamba_ref:
-            fail(root, "root counters must stay 0")
-
-        owner: dict[str, dict[int, int]] = {"device page": {}, "device slot": {}, "host page": {}, "host slot": {}}
-
-        def own(kind: str, idx: int, node: TreeNode) -> None:
-            held = owner[kind]
-            if idx in held:
-                fail(node, f"{kind} {idx} is also owned by node {held[idx]}")
-            held[idx] = node.id
-
-        totals = {k: 0 for k in ("dp_used", "dp_prot", "ds_used", "ds_prot", "hp_used", "hp_prot", "hs_used", "hs_prot")}
-        want_dl: set[TreeNode] = set()
-        want_ds: set[TreeNode] = set()
-        want_hl: set[TreeNode] = set()
-        want_hs: set[TreeNode] = set()
-        want_hm: set[TreeNode] = set()
-        order: list[TreeNode] = []  # parents before children: reversed, it is bottom-up
-        num_nodes = 0
-        ids: set[int] = set()
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            num_nodes += 1
-            if node.id in ids:
-                fail(node, "id is not unique")
-            ids.add(node.id)
-            order.append(node)
-            dev_children = 0
-            host_children = 0
-            child_lock_sum = 0
-            for k, c in node.children.items():
-                if c.parent is not node:
-                    fail(c, f"parent link does not point to node {node.id}")
-                if not c.key or len(c.key) % ps or c.key[:ps] != k:
-                    fail(c, f"key of length {len(c.key)} does not fit its child key in node {node.id}")
-                if c.device_pages is not None:
-                    dev_children += 1
-                    child_lock_sum += c.lock_ref
-                if c.host_pages is not None:
-                    host_children += 1
-                stack.append(c)
-            if dev_children != node.num_device_children:
-                fail(node, f"num_device_children {node.num_device_children} != {dev_children}")
-            if host_children != node.num_host_children:
-                fail(node, f"num_host_children {node.num_host_children} != {host_children}")
-            if node is root:
-                continue
-            for name in ("lock_ref", "mamba_lock_ref", "host_ref", "host_mamba_ref", "hit_count"):
-                if getattr(node, name) < 0:
-                    fail(node, f"{name} is negative")
-            parent = node.parent
-            assert parent is not None
-            npages = len(node.key) // ps
-            dp, hp = node.device_pages, node.host_pages
-            if dp is None and hp is None:
-                fail(node, "holds KV on neither tier (should have been deleted)")
-            if dp is not None:
-                if len(dp) != npages:
-                    fail(node, f"{len(dp)} device pages for {npages} pages of key")
-                if parent.device_pages is None:
-                    fail(node, "on device while its parent is not (device KV must be top-closed)")
-                for p in dp:
-                    own("device page", p, node)
-                totals["dp_used"] += npages
-                if node.lock_ref:
-                    totals["dp_prot"] += npages
-            if hp is not None:
-                if len(hp) != npages:
-                    fail(node, f"{len(hp)} host pages for {npages} pages of key")
-                if parent.host_pages is None:
-                    fail(node, "on host while its parent is not (host KV must be top-closed)")
-                for p in hp:
-                    own("host page", p, node)
-                totals["hp_used"] += npages
-            if node.page_hashes is not None and len(node.page_hashes) != npages:
-                fail(node, "page_hashes length differs from the page count")
-            if node.device_state is not None:
-                if dp is None:
-                    fail(node, "device state without device KV")
-                own("device slot", node.device_state, node)
-                totals["ds_used"] += 1
-                if node.mamba_lock_ref:
-                    totals["ds_prot"] += 1
-            if node.host_state is not None:
-                if hp is None:
-                    fail(node, "host state without host KV")
-                own("host slot", node.host_state, node)
-                totals["hs_used"] += 1
-                if node.host_mamba_ref:
-                    totals["hs_prot"] += 1
-            if node.mamba_lock_ref > node.lock_ref:
-                fail(node, f"mamba_lock_ref {node.mamba_lock_ref} > lock_ref {node.lock_ref}")
-            if node.mamba_lock_ref and node.device_state is None:
-                fail(node, "mamba_lock_ref > 0 without a device state")
-            if node.lock_ref and dp is None:
-                fail(node, "lock_ref > 0 while off device")
-            if node.lock_ref < child_lock_sum:
-                fail(node, f"lock_ref {node.lock_ref} < sum of device children's {child_lock_sum}")
-            if node.host_ref and hp is None:
-                fail(node, "host_ref > 0 without host KV")
-            if node.host_mamba_ref and node.host_state is None:
-                fail(node, "host_mamba_ref > 0 without a host state")
-            if dp is not None and node.lock_ref == 0 and dev_children == 0:
-                want_dl.add(node)
-            if node.device_state is not None and node.mamba_lock_ref == 0:
-                want_ds.add(node)
-            if hp is not None and dp is None and not node.children and node.host_ref == 0 and node.host_mamba_ref == 0:
-                want_hl.add(node)
-            if hp is not None and dp is not None and not host_children and node.host_ref == 0 and node.host_mamba_ref == 0:
-                want_hm.add(node)
-            if node.host_state is not None and node.host_mamba_ref == 0:
-                want_hs.add(node)
-
-        if num_nodes != self._num_nodes:
-            raise AssertionError(f"tree: num_nodes counter {self._num_nodes} != {num_nodes} reachable")
-        # Held host KV (host eviction cannot free it now): pinned, or above a held node.
-        held: set[TreeNode] = set()
-        for node in reversed(order):
-            held_children = sum(c in held for c in node.children.values())
-            if node.num_held_host_children != held_children:
-                fail(node, f"num_held_host_children {node.num_held_host_children} != {held_children}")
-            if node is root:
-                continue
-            is_held = node.host_ref > 0 or node.host_mamba_ref > 0 or held_children > 0
-            if node.host_held != is_held:
-                fail(node, f"host_held is {node.host_held}, recomputed {is_held}")
-            if is_held:
-                held.add(node)
-                totals["hp_prot"] += len(node.host_pages)  # type: ignore[arg-type]
-        for qname, q, want in (
-            ("device-leaf queue", self._dev_leaves, want_dl),
-            ("device-state queue", self._dev_states, want_ds),
-            ("host-leaf queue", self._host_leaves, want_hl),
-            ("host-mirror queue", self._host_mirrors, want_hm),
-            ("host-state queue", self._host_states, want_hs),
-        ):
-            q.check()
-            have = set(q)
-            for n in have - want:
-                raise AssertionError(f"node {n.id}: in the {qname} but does not satisfy its condition")
-            for n in want - have:
-                raise AssertionError(f"node {n.id}: satisfies the {qname} condition but is not a member")
-
-        for name, have_v, want_v in (
-            ("device_pages_used", self._dev_pages_used, totals["dp_used"]),
-            ("device_pages_protected", self._dev_pages_protected, totals["dp_prot"]),
-            ("device_states_used", self._dev_states_used, totals["ds_used"]),
-            ("device_states_protected", self._dev_states_protected, totals["ds_prot"]),
-            ("host_pages_used", self._host_pages_used, totals["hp_used"]),
-            ("host_pages_protected", self._host_pages_protected, totals["hp_prot"]),
-            ("host_states_used", self._host_states_used, totals["hs_used"]),
-            ("host_states_protected", self._host_states_protected, totals["hs_prot"]),
-        ):
-            if have_v != want_v:
-                raise AssertionError(f"tree: counter {name} is {have_v}, recomputed {want_v}")
-
-        for kind, pool, external in (
-            ("device page", self._device_kv, external_device_pages),
-            ("device slot", self._device_state, external_device_slots),
-            ("host page", self._host_kv, external_host_pages),
-            ("host slot", self._host_state, external_host_slots),
-        ):
-            owned = owner[kind]
-            if pool is None:
-                if owned or external:
-                    raise AssertionError(f"tree: {kind}s in use but there is no such pool")
-                continue
-            pool.check()
-            seen: set[int] = set()
-            for i in external:
-                if i in seen or i in owned:
-                    raise AssertionError(f"tree: external {kind} {i} is also owned elsewhere")
-                seen.add(i)
-            for i in range(pool.capacity):
-                holders = (i in owned) + (i in seen) + pool.is_free(i)
-                if holders != 1:
-                    where = f"node {owned[i]}" if i in owned else ("external" if i in seen else "nobody")
-                    raise AssertionError(f"tree: {kind} {i} is free={pool.is_free(i)} and owned by {where} ({holders} holders)")
-            for i in owned:
-                if not (0 <= i < pool.capacity):
-                    raise AssertionError(f"node {owned[i]}: {kind} {i} is out of range")
-            for i in seen:
-                if not (0 <= i < pool.capacity):
-                    raise AssertionError(f"tree: external {kind} {i} is out of range")
-
-        for op in self._pending_backups.values():
-            self._check_op_range(op._bottom, op._top, op._state_node, f"backup {op.op_id}")
-        for lop in self._pending_loads.values():
-            self._check_op_range(lop._bottom, lop._top, lop._state_node, f"load {lop.op_id}")
-
-    def _check_op_range(self, bottom: TreeNode | None, top: TreeNode, state_node: TreeNode | None, what: str) -> None:
-        n = bottom
-        while n is not None and n is not top:
-            if n.parent is None:
-                raise AssertionError(f"node {n.id}: {what} walks off the tree before its top node {top.id}")
-            if n.host_ref <= 0:
-                raise AssertionError(f"node {n.id}: {what} is pending but host_ref is {n.host_ref}")
-            n = n.parent
-        if bottom is not None and n is None:
-            raise AssertionError(f"{what}: range never reaches its top node {top.id}")
-        if state_node is not None and state_node.host_mamba_ref <= 0:
-            raise AssertionError(f"node {state_node.id}: {what} is pending but host_mamba_ref is 0")
+        check_tree(self, external_device_pages, external_device_slots, external_host_pages, external_host_slots)
