@@ -1,6 +1,6 @@
-"""A fleet as the README's "A fleet behind sglang's router" section writes it, run as written: its
-fenced `bash fleet` block with this test's checkpoint, secrets, data directory and free ports
-substituted (as the README says), small pools, and the router's health checks shortened. Redis
+"""A fleet as the docs page docs/operations/fleet.md ("A fleet behind sglang's router") writes it, run as written: its
+fenced `fleet.sh` block with this test's checkpoint, secrets, data directory and free ports
+substituted (as the page says), small pools, and the router's health checks shortened. Redis
 (one shared L3, with a password), two himamba servers with an API key, the real sglang-router
 0.3.2 with `cache_aware`, and Prometheus.
 
@@ -38,7 +38,8 @@ from tests.system_packages import PROMETHEUS, REDIS, requires
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "fleet-test-key-8d1f"
 REDIS_PASSWORD = "fleet-redis-pw-51c0"
-PORTS = (30000, 30001, 30002, 29000, 9090, 6379)  # the README's ports, replaced by free ones
+FLEET_PAGE = "docs/operations/fleet.md"
+PORTS = (30000, 30001, 30002, 29000, 9090, 6379)  # the page's ports, replaced by free ones
 # Test-only additions: small pools and one torch thread per server (2 shared cores), and router
 # health checks every second with one failure enough (the issue asks for them shortened).
 SERVER_FLAGS = ("--torch-threads", "1", "--max-total-tokens", "4096", "--max-mamba-cache-size", "32",
@@ -49,11 +50,11 @@ ROUTER_FLAGS = ("--health-check-interval-secs", "1", "--health-failure-threshold
 pytestmark = requires(REDIS, PROMETHEUS)
 
 
-def readme_fleet_block() -> list[str]:
-    """The commands of the README's ```bash fleet block, `\\` continuations joined."""
-    text = (ROOT / "README.md").read_text()
-    m = re.search(r"^```bash fleet\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
-    assert m, "README.md has no ```bash fleet block"
+def fleet_page_block() -> list[str]:
+    """The commands of the fleet page's `fleet.sh` block, `\\` continuations joined."""
+    text = (ROOT / FLEET_PAGE).read_text()
+    m = re.search(r'^```bash title="fleet.sh"\n(.*?)^```', text, re.MULTILINE | re.DOTALL)
+    assert m, f'{FLEET_PAGE} has no ```bash title="fleet.sh" block'
     lines = m.group(1).replace("\\\n", " ").splitlines()
     return [" ".join(line.split()) for line in lines if line.strip()]
 
@@ -62,12 +63,12 @@ def readme_fleet_block() -> list[str]:
 class Fleet:
     tmp: Path
     env: dict[str, str]
-    ports: dict[int, int]  # README port -> the port used here
+    ports: dict[int, int]  # the page's port -> the port used here
     model_dir: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
-    def port(self, readme_port: int) -> int:
-        return self.ports[readme_port]
+    def port(self, page_port: int) -> int:
+        return self.ports[page_port]
 
     @property
     def servers(self) -> list[int]:
@@ -102,8 +103,8 @@ class Fleet:
 
 
 def _substitute(line: str, fleet: Fleet) -> str:
-    for readme_port, port in fleet.ports.items():
-        line = re.sub(rf"(?<![\d.]){readme_port}(?!\d)", str(port), line)
+    for page_port, port in fleet.ports.items():
+        line = re.sub(rf"(?<![\d.]){page_port}(?!\d)", str(port), line)
     line = line.replace("grafana/prometheus-fleet.yaml", str(fleet.tmp / "prometheus-fleet.yaml"))
     return line.replace("/var/lib/himamba-prometheus", str(fleet.tmp / "prometheus-data"))
 
@@ -130,10 +131,10 @@ def _health(port: int) -> bool:
 
 
 def _run_block(fleet: Fleet) -> None:
-    """Each line of the block as the README says: exports set the environment (ours substituted),
+    """Each line of the block as the page says: exports set the environment (ours substituted),
     `&` lines start in the background, and "# once every server answers /health" waits."""
     servers = 0
-    for line in readme_fleet_block():
+    for line in fleet_page_block():
         if line.startswith("#"):
             if "once every server answers /health" in line:
                 for port in fleet.servers[:servers]:
@@ -142,7 +143,7 @@ def _run_block(fleet: Fleet) -> None:
         line = _substitute(line, fleet)
         if line.startswith("export "):
             name = line.split()[1].split("=", 1)[0]
-            assert name in fleet.env, f"the README exports {name}, which this test does not substitute"
+            assert name in fleet.env, f"the fleet page exports {name}, which this test does not substitute"
             continue
         assert line.endswith("&"), f"every command of the block runs in the background: {line}"
         expanded = re.sub(r"\$\{?(\w+)\}?", lambda m: fleet.env[m.group(1)], line[:-1])  # as the shell would
