@@ -1,6 +1,6 @@
 """Structured outputs: a `GrammarSpec` as an llguidance grammar, checked once per (kind, spec).
 
-The engine is llguidance (see the README for the measured choice against xgrammar): it imports in
+The engine is llguidance (see docs/api/structured-outputs.md for the measured choice against xgrammar): it imports in
 tens of milliseconds and pulls in neither torch, transformers nor triton, builds a grammar in
 about a millisecond and computes a token mask in tens of microseconds. The front door checks a
 spec here before a request is queued; the worker builds its matchers from the same text.

@@ -5,7 +5,7 @@ Commands are imperatives (`AddRequest`, `RunBatch`, `CacheStep`); results are ou
 extra ZeroMQ frames and are referenced by `TensorRef` (see `wire.py`).
 
 The public client protocol (`ClientRequest` / `ClientReply`) is map-encoded and documented in
-README.md; internal messages may change between versions.
+docs/api/zeromq.md; internal messages may change between versions.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
 #
 # PYTHON_VERSION (default 3.12, the GPU images') picks the interpreter the wheels are for.
 #
-# The list is what himamba imports at run time and the images named in README.md do not ship, with
+# The list is what himamba imports at run time and the images named in docs/serving/gpu.md do not ship, with
 # everything those wheels require: msgspec, pyzmq, llguidance and isal require nothing else.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

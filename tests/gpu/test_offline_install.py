@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL_WHEELS = Path("/opt/wheels")  # where this project's machines keep the CPU torch wheel
-# What the GPU images ship that himamba needs (README: "The GPU machines"), and setuptools for the
+# What the GPU images ship that himamba needs (docs/serving/gpu.md: "The GPU check"), and setuptools for the
 # editable build without isolation.
 IMAGE_PACKAGES = ["uvloop", "aiohttp", "tokenizers", "safetensors", "prometheus-client", "numpy", "jinja2",
                   "setuptools>=77"]  # fmt: skip

@@ -78,7 +78,7 @@ SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 @requires(SYSTEMD)
 def test_systemd_analyze_verify_passes_on_the_shipped_units(tmp_path: Path):
     """`systemd-analyze verify` on the shipped units, with ExecStart overridden by a drop-in as the
-    unit's comment and the README say (the fixed /opt/himamba/venv path does not exist here): no
+    unit's comment and docs/operations/supervisors.md say (the fixed /opt/himamba/venv path does not exist here): no
     warning at all; and the sysusers.d file creates the user and group."""
     for f in (ROOT / "configs" / "systemd").iterdir():
         shutil.copy(f, tmp_path / f.name)

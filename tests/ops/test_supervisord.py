@@ -116,7 +116,7 @@ def venv_prefix(tmp: Path, force_new: bool = False) -> Path:
 
 
 def _template(tmp: Path, config_path: Path, venv: Path) -> Path:
-    """configs/supervisord.conf substituted as its comments and the README say: this virtualenv
+    """configs/supervisord.conf substituted as its comments and docs/operations/supervisors.md say: this virtualenv
     for /opt/himamba/venv, this user for `himamba`, and the directories moved into `tmp`; the
     worker left for the test to start last (everything else as shipped)."""
     text = (ROOT / "configs" / "supervisord.conf").read_text()

@@ -4,7 +4,7 @@ which we accept without effect (their types still checked), and sglang's extensi
 sglang-router adds at their defaults (accepted at the value that is what we do).
 
 The known fields are the body Struct's own (bodies.py), so a field added there is accepted with
-no change here. The lists below are what the README lists.
+no change here. The lists below are what docs/api/http.md lists.
 """
 
 from __future__ import annotations
