@@ -87,6 +87,10 @@ class GenerateChunk(Message):
     top_logprobs: list[TokenLogprobs] | None = None
     # sampling.prompt_logprobs: prompt tokens 1.. (token 0 has none), on the first chunk of sample 0.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # finish_reason "stop", on the finished chunk: what stopped it. vLLM's `stop_reason`: the stop
+    # string or stop_token_ids entry (None for EOS); sglang's `matched_stop`: that, or the EOS id.
+    stop_reason: int | str | None = None
+    matched_stop: int | str | None = None
 
 
 class ErrorReply(Message):

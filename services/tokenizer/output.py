@@ -7,7 +7,7 @@ the end otherwise.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from tokenizers import Tokenizer
 
@@ -39,12 +39,16 @@ class RequestOutput:
         prompt_token_ids: list[int] | None = None,
         index: int = 0,
         keep_special: frozenset[int] = frozenset(),
+        eos_ids: frozenset[int] = frozenset(),
+        stop_token_ids: frozenset[int] = frozenset(),
     ):
         self.client_rid = client_rid
         self.index = index  # the sample of an n > 1 request: every chunk carries it
         self._stream = stream
         self._detok = IncrementalDetokenizer(tokenizer, keep=keep_special)  # keep: parser markup
         self._stop = StopMatcher(stops)
+        self._eos_ids = eos_ids  # empty under ignore_eos: then EOS stops nothing
+        self._stop_token_ids = stop_token_ids
         self._prompt_len = prompt_len
         self._prompt_token_ids = prompt_token_ids  # sent once, on the first chunk
         self._completion_tokens = 0
@@ -112,12 +116,25 @@ class RequestOutput:
             completion_tokens=self._completion_tokens,
             cached_tokens=self._cached,
         )
+        stopped = self._what_stopped() if reason == "stop" else (None, None)
+        end: dict[str, Any] = {"finished": True, "reason": reason, "usage": usage, "stopped": stopped}
         if self._stream:
-            return self._chunk(text, new_ids, new_logprobs, new_top, finished=True, reason=reason, usage=usage)
+            return self._chunk(text, new_ids, new_logprobs, new_top, **end)
         self._text.append(text)
-        return self._chunk(
-            "".join(self._text), self._ids, self._logprobs, self._top_logprobs, finished=True, reason=reason, usage=usage
-        )
+        return self._chunk("".join(self._text), self._ids, self._logprobs, self._top_logprobs, **end)
+
+    def _what_stopped(self) -> tuple[int | str | None, int | str | None]:
+        """(vLLM's stop_reason, sglang's matched_stop) of an answer that finished with "stop": the
+        stop string, else its last token when that is EOS (stop_reason None, as vLLM) or a stop
+        token (the scheduler tests EOS first, so do we)."""
+        if self._stop.matched is not None:
+            return self._stop.matched, self._stop.matched
+        last = self._ids[-1] if self._ids else None
+        if last in self._eos_ids:
+            return None, last
+        if last in self._stop_token_ids:
+            return last, last
+        return None, None
 
     def _chunk(
         self,
@@ -129,6 +146,7 @@ class RequestOutput:
         finished: bool = False,
         reason: FinishReason | None = None,
         usage: Usage | None = None,
+        stopped: tuple[int | str | None, int | str | None] = (None, None),
     ) -> GenerateChunk:
         prompt_ids, self._prompt_token_ids = self._prompt_token_ids, None
         prompt_lps, self._prompt_logprobs = self._prompt_logprobs, None
@@ -144,4 +162,6 @@ class RequestOutput:
             index=self.index,
             top_logprobs=None if top_logprobs is None else list(top_logprobs),
             prompt_logprobs=prompt_lps,
+            stop_reason=stopped[0],
+            matched_stop=stopped[1],
         )

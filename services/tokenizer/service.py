@@ -448,7 +448,9 @@ class TokenizerService(Actor[ToTokenizer]):
             await self._reply(event.identity, ErrorReply(message=f"undecodable request: {e}", rid=_rid_of_raw(payload)))
             return
         if isinstance(msg, GenerateRequest) and not self._key_ok(msg.api_key):
-            reply = ErrorReply(message="invalid or missing api_key (the server was started with --api-key)", rid=msg.rid, code=401)
+            reply = ErrorReply(
+                message="invalid or missing api_key (the server was started with --api-key)", rid=msg.rid, code=401
+            )
             await self._reply(event.identity, reply)
             return
         if isinstance(msg, GenerateRequest) and self.sampling_defaults.values():
@@ -577,6 +579,8 @@ class TokenizerService(Actor[ToTokenizer]):
                 prompt_token_ids=prepared.input_ids if prepared.prompt_was_text else None,
                 index=i,
                 keep_special=self._markup_ids,
+                eos_ids=frozenset() if req.sampling.ignore_eos else frozenset(self._eos_token_ids),
+                stop_token_ids=frozenset(req.sampling.stop_token_ids),
             )
             entry = RequestEntry(
                 add.rid,

@@ -75,6 +75,7 @@ class StopMatcher:
         self._state = 0
         self._held = ""
         self._stopped = False
+        self.matched: str | None = None  # the stop string that completed
 
     @property
     def stopped(self) -> bool:
@@ -97,6 +98,7 @@ class StopMatcher:
                 end = base + i + 1
                 self._held = ""
                 self._stopped = True
+                self.matched = text[end - auto.ends[state] : end]
                 return StopResult(text[: end - auto.ends[state]], True)
         self._state = state
         hold = auto.depth[state]

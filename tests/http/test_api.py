@@ -357,3 +357,45 @@ def test_client_disconnect_aborts_every_choice(harness: Harness):
     # Each sample is aborted; a token of a sample already aborted draws another abort (late
     # outputs are stopped again), so count the samples, not the messages.
     harness.scheduler.wait_for(lambda m: len({a.rid for a in harness.scheduler.aborts_of(":" + first["id"])}) == 3)
+
+
+def test_stop_reason_and_matched_stop_say_what_stopped_the_answer(harness: Harness):
+    """vLLM's stop_reason (the stop string or stop token id; null for EOS and length) and sglang's
+    matched_stop (the same, or the EOS id) on completions and chat choices, streamed or whole."""
+    harness.scheduler.replies["say-bye-eos"] = "Bye now<|endoftext|>"
+    harness.scheduler.replies["say-bye-token"] = "Bye now"
+    last = harness.tokenizer.encode("Bye now").ids[-1]
+
+    r = harness.post("/v1/completions", {"prompt": "print(1)", "stop": ["zzz", "wörld"], "temperature": 0})
+    choice = r.json()["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"], choice["matched_stop"]) == ("stop", "wörld", "wörld")
+
+    r = harness.post("/v1/completions", {"prompt": "say-bye-token", "stop_token_ids": [last], "temperature": 0})
+    choice = r.json()["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"], choice["matched_stop"]) == ("stop", last, last)
+
+    r = harness.post("/v1/completions", {"prompt": "x = 2", "max_tokens": 2, "temperature": 0})
+    choice = r.json()["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"], choice["matched_stop"]) == ("length", None, None)
+
+    chat = {"messages": [{"role": "user", "content": "say-bye-eos"}], "temperature": 0}
+    choice = harness.post("/v1/chat/completions", chat).json()["choices"][0]
+    assert choice["message"]["content"] == "Bye now"
+    assert (choice["finish_reason"], choice["stop_reason"], choice["matched_stop"]) == ("stop", None, 0)
+
+    _, events = _stream(harness, "/v1/chat/completions", {**chat, "stream": True})
+    *chunks, done = events
+    assert done == "[DONE]"
+    ends = [
+        (c["choices"][0]["finish_reason"], c["choices"][0].get("stop_reason"), c["choices"][0].get("matched_stop"))
+        for c in chunks
+    ]
+    assert ends[-1] == ("stop", None, 0) and all(e == (None, None, None) for e in ends[:-1])
+
+    body = {"prompt": "print(1)", "stop": "wörld", "temperature": 0, "stream": True}
+    _, events = _stream(harness, "/v1/completions", body)
+    final = events[-2]["choices"][0]
+    assert (final["finish_reason"], final["stop_reason"], final["matched_stop"]) == ("stop", "wörld", "wörld")
+
+    r = harness.post("/generate", {"text": "say-bye-token", "sampling_params": {"stop_token_ids": [last]}})
+    assert r.json()["meta_info"]["finish_reason"] == {"type": "stop", "matched": last}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from tokenizers import Tokenizer
 
 from himamba.common.messages import TokenOut
@@ -83,3 +84,45 @@ def test_abort_releases_held_text(demo_tokenizer: Tokenizer) -> None:
     final = out.finish("abort")
     assert final.finished and final.finish_reason == "abort" and final.text == "x"
     assert final.usage is not None and final.usage.completion_tokens == len(demo_tokenizer.encode("hi x").ids)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize(
+    ("stops", "last", "reason", "stop_reason", "matched_stop"),
+    [
+        (["wörld"], None, "length", "wörld", "wörld"),  # the stop string, whatever the engine said
+        ([], 0, "stop", None, 0),  # EOS: vLLM says null, sglang names the EOS id
+        ([], 7, "stop", 7, 7),  # a stop_token_ids entry
+        ([], 0, "length", None, None),  # cut by max_tokens
+    ],
+)
+def test_what_stopped_the_answer(
+    demo_tokenizer: Tokenizer, stream: bool, stops: list[str], last: int | None, reason: str, stop_reason, matched_stop
+) -> None:
+    ids = demo_tokenizer.encode(TEXT).ids + ([last] if last is not None else [])
+    out = RequestOutput(
+        "c6",
+        demo_tokenizer,
+        stream=stream,
+        stops=stops,
+        prompt_len=1,
+        eos_ids=frozenset({0}),
+        stop_token_ids=frozenset({7}),
+    )
+    chunks = []
+    for o in _outs(ids, reason=reason):
+        step = out.on_token_out(o)
+        if step.chunk is not None:
+            chunks.append(step.chunk)
+        if step.finished:
+            break
+    final = chunks[-1]
+    assert final.finished and (final.stop_reason, final.matched_stop) == (stop_reason, matched_stop)
+    assert all(c.stop_reason is None and c.matched_stop is None for c in chunks[:-1])
+
+
+def test_ignore_eos_reports_no_eos(demo_tokenizer: Tokenizer) -> None:
+    """Under ignore_eos the front door passes no EOS ids: an EOS id that is also a stop token is that."""
+    out = RequestOutput("c7", demo_tokenizer, stream=False, stops=[], prompt_len=1, stop_token_ids=frozenset({0}))
+    final = [s.chunk for o in _outs([5, 0], reason="stop") if (s := out.on_token_out(o)).chunk is not None][-1]
+    assert (final.stop_reason, final.matched_stop) == (0, 0)

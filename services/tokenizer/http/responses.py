@@ -45,6 +45,12 @@ def usage_json(usage: Usage) -> dict[str, Any]:
     }
 
 
+def _stop_fields(chunk: GenerateChunk) -> dict[str, int | str | None]:
+    """What stopped a choice, in vLLM's key (`stop_reason`: the stop string or stop token id, null
+    for EOS and length) and sglang's (`matched_stop`: the same, or the EOS id); null until it ends."""
+    return {"stop_reason": chunk.stop_reason, "matched_stop": chunk.matched_stop}
+
+
 class ResponseBuilder:
     """Turns the chunks of one request into OpenAI JSON (whole response or stream chunks)."""
 
@@ -156,6 +162,7 @@ class ResponseBuilder:
                 self._names, self._prompt_ids(), self._prompt_entries(), self.ask.prompt
             )
         choice["finish_reason"] = self._finish_reason(index, chunk)
+        choice.update(_stop_fields(chunk))
         if self._return_token_ids:
             choice["token_ids"] = list(chunk.token_ids)
             if self.kind == "completion" and first:
@@ -238,6 +245,8 @@ class ResponseBuilder:
                 "delta": delta,
                 "logprobs": None,
                 "finish_reason": None,
+                "stop_reason": None,
+                "matched_stop": None,
             }
             if i == 0:
                 choice["logprobs"] = self._logprobs_json(index, chunk, first)
@@ -248,6 +257,7 @@ class ResponseBuilder:
                         self._sent_prompt_ids = True
             if i == len(parts) - 1:
                 choice["finish_reason"] = self._finish_reason(index, chunk)
+                choice.update(_stop_fields(chunk))
             out["choices"] = [choice]
             if include_usage:
                 out["usage"] = None

@@ -243,14 +243,14 @@ def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json")
 
 
-def _finish_reason(reason: str | None, completion_tokens: int) -> dict[str, Any] | None:
+def _finish_reason(reason: str | None, completion_tokens: int, matched: int | str | None) -> dict[str, Any] | None:
     """sglang's shape: {"type": "length", "length": N}, {"type": "stop", "matched": ...}, {"type": "abort"}."""
     if reason is None:
         return None
     if reason == "length":
         return {"type": "length", "length": completion_tokens}
     if reason == "stop":
-        return {"type": "stop", "matched": None}
+        return {"type": "stop", "matched": matched}
     return {"type": "abort", "message": reason}
 
 
@@ -264,6 +264,7 @@ class _Sample:
         self.prompt_len = prompt_len
         self.usage: Usage | None = None
         self.finish: str | None = None
+        self.matched: int | str | None = None
 
     def add(self, chunk: GenerateChunk) -> None:
         self.text += chunk.text
@@ -275,13 +276,14 @@ class _Sample:
         if chunk.finished:
             self.usage = chunk.usage
             self.finish = chunk.finish_reason or "stop"
+            self.matched = chunk.matched_stop
 
     def answer(self, rid: str, index: int, started: float, logprobs: bool, n: int) -> dict[str, Any]:
         u = self.usage
         completion = u.completion_tokens if u is not None else len(self.ids)
         meta: dict[str, Any] = {
             "id": rid,
-            "finish_reason": _finish_reason(self.finish, completion),
+            "finish_reason": _finish_reason(self.finish, completion, self.matched),
             "prompt_tokens": u.prompt_tokens if u is not None else self.prompt_len,
             "completion_tokens": completion,
             "cached_tokens": u.cached_tokens.total if u is not None else 0,
