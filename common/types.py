@@ -29,6 +29,10 @@ MAX_LOGPROBS = 1024
 # request cannot make the front door's per-token work large (matching is O(longest stop)).
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 4096  # all stop strings together
+# OpenAI's limits on logit_bias: each value in [-100, 100], at most 300 tokens (the worker's
+# static bias buffers are this wide: worker/logit_bias.py).
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**63 - MAX_SAMPLES
 
@@ -68,6 +72,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # None: not asked. Such a request skips the prefix cache: every prompt position is recomputed.
     prompt_logprobs: int | None = None
     grammar: GrammarSpec | None = None  # structured outputs: the text must match it
+    # token id -> added to its logit before penalties, grammar and sampling (OpenAI's logit_bias)
+    logit_bias: dict[int, float] = {}
 
     @property
     def penalised(self) -> bool:
@@ -120,6 +126,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError("top_logprobs needs logprobs")
         if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        low, high = LOGIT_BIAS_RANGE
+        for token, bias in self.logit_bias.items():
+            if token < 0:
+                raise ValueError(f"logit_bias: token id {token} is negative")
+            if not (math.isfinite(bias) and low <= bias <= high):
+                raise ValueError(f"logit_bias[{token}]: {bias} is out of range [{low:g}, {high:g}]")
         if self.grammar is not None and self.ignore_eos:
             # A finished grammar allows only the end-of-sequence token: ignoring it never ends.
             raise ValueError("ignore_eos cannot be combined with a grammar (structured outputs end on EOS)")

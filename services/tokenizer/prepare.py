@@ -70,6 +70,9 @@ def prepare_request(req: GenerateRequest, tokenizer: Tokenizer, limits: RequestL
     for t in sampling.stop_token_ids:
         if t >= limits.vocab_size:
             raise ValueError(f"stop_token_ids: {t} is out of range [0, {limits.vocab_size})")
+    for t in sampling.logit_bias:
+        if t >= limits.vocab_size:
+            raise ValueError(f"logit_bias: token id {t} is out of range [0, {limits.vocab_size})")
     prompt_len = len(input_ids)
     if prompt_len + 1 > limits.max_context_len:
         raise ValueError(

@@ -25,13 +25,13 @@ import torch
 from himamba.common.types import SamplingParams
 from himamba.kernels.dispatch import cuda_path
 from himamba.services.worker.grammar_masks import GrammarMasks
+from himamba.services.worker.logit_bias import BiasRows
 from himamba.services.worker.penalties import PenaltyState, host_values, penalise_rows
 
 
 class Sampled(NamedTuple):
     tokens: list[int]  # a failed row's entry is 0 (meaningless)
     errors: dict[int, str] = {}  # row -> why its sampling failed
-
 
 
 # Failure codes read back with the tokens.
@@ -104,13 +104,17 @@ def sample(
     steps: Sequence[int],
     penalties: Sequence[PenaltyState | None] | None = None,
     grammar: GrammarMasks | None = None,
+    bias: BiasRows | None = None,
 ) -> Sampled:
-    """logits: [B, V]. Returns one token per row (logprobs: worker/logprobs.py). Rows with a
-    PenaltyState get their repetition/frequency/presence penalties first; the rows of `grammar`
+    """logits: [B, V]. Returns one token per row (logprobs: worker/logprobs.py). `bias` (OpenAI's
+    logit_bias, worker/logit_bias.py) is added first, as vLLM does, then rows with a
+    PenaltyState get their repetition/frequency/presence penalties; the rows of `grammar`
     (structured outputs) keep only the tokens their grammar allows. A row that cannot be sampled
     is reported in `errors` instead of failing the batch."""
     logits = logits.float()
     errors: dict[int, str] = {}
+    if bias is not None:
+        logits = bias.apply(logits)
     if penalties is not None:
         logits = penalise_rows(logits, penalties, params)
     if grammar is not None:

@@ -46,6 +46,7 @@ from himamba.services.worker.grammar_masks import GrammarCompiler
 from himamba.services.worker.heap_reuse import reuse_heap
 from himamba.services.worker.host_transfer import CopyFaults, HostTransfer, host_layout
 from himamba.services.worker.loader import load_model
+from himamba.services.worker.logit_bias import LogitBias
 from himamba.services.worker.logprobs import plan_logit_rows, prompt_logprobs, sampled_logprobs
 from himamba.services.worker.memory import plan_pools
 from himamba.services.worker.page_tables import PageTables
@@ -122,6 +123,7 @@ class WorkerService(Actor[ToWorker]):
         self.log.info("%s", self.host.describe())
         tokenizer_json = Path(cfg.model.tokenizer or cfg.model.model) / "tokenizer.json"
         self.grammars = GrammarCompiler(tokenizer_json, self.model.vocab_size, read_eos_token_ids(model_dir))
+        self.logit_bias = LogitBias(cfg.scheduler.max_running_requests, self.device)
         self._announcing: set[asyncio.Task[None]] = set()  # GrammarReady replies waiting for their build
         self.tables = PageTables(self.page_size, plan.num_pages, self.model.vocab_size, self.device, self.grammars)
         self.info = WorkerInfo(
@@ -301,7 +303,8 @@ class WorkerService(Actor[ToWorker]):
             self.state.copy(src, dst)
         params = [q.sampling for q in states]
         masks = self.grammars.masks([q.grammar for q in states], logits.shape[-1])
-        sampled = sample(logits, params, [s.step for s in msg.seqs], [q.penalties for q in states], masks)
+        bias = self.logit_bias.load(params)
+        sampled = sample(logits, params, [s.step for s in msg.seqs], [q.penalties for q in states], masks, bias)
         tensors: list[torch.Tensor] = []
         ref = None
         if msg.return_logits:

@@ -399,3 +399,41 @@ def test_stop_reason_and_matched_stop_say_what_stopped_the_answer(harness: Harne
 
     r = harness.post("/generate", {"text": "say-bye-token", "sampling_params": {"stop_token_ids": [last]}})
     assert r.json()["meta_info"]["finish_reason"] == {"type": "stop", "matched": last}
+
+
+@pytest.mark.parametrize(
+    ("bias", "words"),
+    [
+        ({"abc": 1}, "logit_bias: keys are token ids, got 'abc'"),
+        ({"-3": 1}, "logit_bias: keys are token ids, got '-3'"),
+        ({"5": 100.5}, "logit_bias[5]: 100.5 is out of range [-100, 100]"),
+        ({"5": -250}, "logit_bias[5]: -250.0 is out of range [-100, 100]"),
+        ({str(i): 1 for i in range(301)}, "logit_bias: at most 300 tokens, got 301"),
+        ({"99999999": 1}, "logit_bias: token id 99999999 is out of range [0, "),
+        ({"5": "high"}, "Expected `float`, got `str` - at `$.logit_bias"),
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_bad_logit_bias_is_a_400_naming_the_problem(harness: Harness, path: str, bias: dict[str, Any], words: str):
+    body = {"logit_bias": bias, "max_tokens": 1}
+    body |= {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    r = harness.post(path, body)
+    assert r.status == 400, r.body
+    assert words in r.json()["error"]["message"], r.json()
+
+
+def test_logit_bias_reaches_the_engine_as_token_ids(harness: Harness):
+    """chat, completions and sglang's /generate pass the bias on as {token id: value}."""
+    r = harness.post("/v1/completions", {"prompt": "bias-c", "max_tokens": 1, "logit_bias": {"17": 100, "3": -100}})
+    assert r.status == 200, r.body
+    add = _add_for(harness, harness.tokenizer.encode("bias-c").ids)
+    assert add.sampling.logit_bias == {17: 100.0, 3: -100.0}
+    chat = {"messages": [{"role": "user", "content": "bias-chat"}], "max_tokens": 1, "logit_bias": {"9": 2.5}}
+    assert harness.post("/v1/chat/completions", chat).status == 200
+    add = harness.scheduler.wait_for(
+        lambda m: isinstance(m, AddRequest) and "bias-chat" in harness.tokenizer.decode(m.input_ids)
+    )
+    assert add.sampling.logit_bias == {9: 2.5}
+    body = {"text": "bias-sgl", "sampling_params": {"max_new_tokens": 1, "logit_bias": {"4": -1}}}
+    assert harness.post("/generate", body).status == 200
+    assert _add_for(harness, harness.tokenizer.encode("bias-sgl").ids).sampling.logit_bias == {4: -1.0}

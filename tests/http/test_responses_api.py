@@ -552,3 +552,13 @@ def test_a_server_that_stores_nothing(storeless: Harness):
     assert storeless.request("GET", f"/v1/responses/{r.json()['id']}").status == 404
     r = storeless.request("POST", "/v1/responses", {"input": "short-one", "background": True})
     assert r.status == 400 and "--responses-store-max is 0" in r.json()["error"]["message"]
+
+
+def test_logit_bias_is_passed_on_and_checked(harness: Harness):
+    """An extension, as on chat: {token id: bias} reaches the engine; bad ones are 400s."""
+    r = harness.request("POST", "/v1/responses", {"input": "bias-resp", "logit_bias": {"12": 100}})
+    assert r.status == 200, r.body
+    assert harness.add_request("bias-resp").sampling.logit_bias == {12: 100.0}
+    for bias, words in (({"x": 1}, "keys are token ids"), ({"12": 101}, "out of range [-100, 100]")):
+        r = harness.request("POST", "/v1/responses", {"input": "bias-bad", "logit_bias": bias})
+        assert r.status == 400 and words in r.json()["error"]["message"], r.body

@@ -113,8 +113,18 @@ def decode_body(raw: bytes, body_type: type[msgspec.Struct]) -> tuple[Any, dict[
 
 
 def _check_common(body: _Body) -> None:
-    if body.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+    logit_bias_of(body.logit_bias)
+
+
+def logit_bias_of(raw: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's `logit_bias` (token ids as strings) as token ids; its size and values are checked
+    with the other sampling ranges (`SamplingParams.validate`), its ids against the vocabulary."""
+    out: dict[int, float] = {}
+    for key, value in (raw or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise ApiError(400, f"logit_bias: keys are token ids, got {key!r}", param="logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
@@ -166,6 +176,7 @@ def sampling_of(
         top_logprobs=ask.top,
         prompt_logprobs=ask.prompt_logprobs,
         grammar=grammar_of(body),
+        logit_bias=logit_bias_of(body.logit_bias),
     )
 
 

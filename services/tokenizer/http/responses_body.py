@@ -50,6 +50,7 @@ class ResponsesBody(msgspec.Struct, frozen=True, kw_only=True):
     reasoning: dict[str, Any] | None = None  # effort / summary: accepted without effect
     stream_options: ResponsesStreamOptions | None = None
     background: bool = False
+    logit_bias: dict[str, float] | None = None  # extension (chat's): token id -> bias in [-100, 100]
     # known, refused unless at the value that means what we do
     truncation: Literal["disabled", "auto"] = "disabled"
     include: list[str] | None = None
@@ -265,6 +266,7 @@ def chat_body_of(body: ResponsesBody, messages: list[dict[str, Any]]) -> ChatBod
         max_completion_tokens=body.max_output_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
+        logit_bias=body.logit_bias,
         tools=chat_tools(body.tools),
         tool_choice=chat_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls,

@@ -37,7 +37,7 @@ from himamba.common.config import Config, to_toml_dict
 from himamba.common.messages import CacheFlushed, ErrorReply, GenerateChunk, GenerateRequest, WorkerInfo
 from himamba.common.types import GrammarSpec, SamplingParams, Usage
 from himamba.services.tokenizer.generation_defaults import SamplingDefaults
-from himamba.services.tokenizer.http.bodies import API_DEFAULTS
+from himamba.services.tokenizer.http.bodies import API_DEFAULTS, logit_bias_of
 from himamba.services.tokenizer.http.connections import read_body
 from himamba.services.tokenizer.http.errors import ApiError, param_of_message
 from himamba.services.tokenizer.http.structured_outputs import (
@@ -98,6 +98,7 @@ class SamplingBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None
     n: int = 1
     sampling_seed: int | None = None
     min_new_tokens: int = 0
@@ -228,6 +229,7 @@ def _sampling(body: GenerateBody, defaults: Mapping[str, float | int]) -> Sampli
         n=sp.n,
         logprobs=body.return_logprob,
         grammar=sglang_sampling_grammar(sp),
+        logit_bias=logit_bias_of(sp.logit_bias),
     )
 
 
