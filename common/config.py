@@ -399,12 +399,26 @@ class HttpConfig(_Section):
         ),
     ] = ""
     tool_call_parser: Annotated[
-        Literal["auto", "none", "hermes", "nemotron_json", "qwen3_coder", "qwen3_xml"],
+        Literal[
+            "auto",
+            "none",
+            "hermes",
+            "nemotron_json",
+            "qwen3_coder",
+            "qwen3_xml",
+            "llama3_json",
+            "mistral",
+            "pythonic",
+            "granite",
+        ],
         doc(
             "How /v1/chat/completions reads tool calls in the model's answer (tool_choice auto): hermes: JSON "
             "in <tool_call> tags (Qwen3-Next, Granite-4.0-H, Falcon-H1); nemotron_json: <TOOLCALL>[...]"
             "</TOOLCALL> (Nemotron Nano v2); qwen3_coder (qwen3_xml): <tool_call><function=...><parameter=...> "
-            "(Qwen3-Coder, Nemotron 3); auto: the format the chat template shows; none: tool_choice auto is a 400."
+            "(Qwen3-Coder, Nemotron 3); llama3_json: name/parameters JSON calls (Llama 3.x); mistral: "
+            "[TOOL_CALLS] (Mistral); pythonic: [f(a=1), g()] (Llama 3.2 pythonic, ToolACE); granite: "
+            "<|tool_call|>[...] (Granite 3.x); auto: the format the chat template shows; none: tool_choice auto "
+            "is a 400."
         ),
     ] = "auto"
     reasoning_parser: Annotated[

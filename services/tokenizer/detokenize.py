@@ -21,7 +21,10 @@ from tokenizers import Tokenizer
 _REPLACEMENT = "\ufffd"
 # Markup the output parsers read (tool calls, thinking): some tokenizers mark these tokens special
 # (skipped when decoding), which would hide a tool call from the parser. They stay in the text.
-PARSER_MARKUP = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<TOOLCALL>", "</TOOLCALL>")
+PARSER_MARKUP = (
+    "<think>", "</think>", "<tool_call>", "</tool_call>", "<TOOLCALL>", "</TOOLCALL>",
+    "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>", "<|tool_call|>",
+)  # fmt: skip
 
 
 def markup_token_ids(tokenizer: Tokenizer) -> frozenset[int]:

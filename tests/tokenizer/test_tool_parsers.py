@@ -153,6 +153,124 @@ RECORDED: list[Case] = [
         {"content": None, "calls": [("get_weather", {"city": "line one\nline <two>"})]},
     ),
     (
+        "llama31_json_python_tag",  # Llama 3.1: <|python_tag|> then {"name", "parameters"} (its template's words)
+        "llama3_json",
+        False,
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}',
+        {"content": None, "calls": [("get_weather", {"city": "Paris", "days": 2})]},
+    ),
+    (
+        "llama32_json_calls_separated_by_semicolons",
+        "llama3_json",
+        False,
+        '{"name": "get_weather", "parameters": {"city": "Oslo", "hours": [9]}}; {"name": "now", "parameters": {}}',
+        {"content": None, "calls": [("get_weather", {"city": "Oslo", "hours": [9]}), ("now", {})]},
+    ),
+    (
+        "llama3_json_plain_answer",
+        "llama3_json",
+        False,
+        "  The weather in {Paris} is fine.",
+        {"content": "  The weather in {Paris} is fine.", "calls": []},
+    ),
+    (
+        "llama3_json_object_that_is_no_call",  # a JSON answer without a name: it is the content
+        "llama3_json",
+        False,
+        '{"answer": 42}',
+        {"content": '{"answer": 42}', "calls": []},
+    ),
+    (
+        "mistral_v3_json_list",  # Mistral 7B v0.3 / Nemo: [TOOL_CALLS] then a JSON list (ids echoed)
+        "mistral",
+        False,
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "metric": false}, "id": "a1b2c3d4e"}, '
+        '{"name": "now", "arguments": {}}]',
+        {"content": None, "calls": [("get_weather", {"city": "Paris", "metric": False}), ("now", {})]},
+    ),
+    (
+        "mistral_v11_name_args",  # Mistral Small 3.2 / Magistral / Devstral: name[ARGS]{...} per call
+        "mistral",
+        False,
+        'Let me check.[TOOL_CALLS]get_weather[ARGS]{"city": "Zürich", "hours": [1, 2]}[TOOL_CALLS]now[ARGS]{}',
+        {"content": "Let me check.", "calls": [("get_weather", {"city": "Zürich", "hours": [1, 2]}), ("now", {})]},
+    ),
+    (
+        "mistral_call_id_and_braces_in_strings",
+        "mistral",
+        False,
+        '[TOOL_CALLS]get_weather[CALL_ID]x9Y8z7W6v[ARGS]{"city": "a}\\"{b[TOOL"}',
+        {"content": None, "calls": [("get_weather", {"city": 'a}"{b[TOOL'})]},
+    ),
+    (
+        "mistral_plain_answer",
+        "mistral",
+        False,
+        "No tool is needed: [1] says so.",
+        {"content": "No tool is needed: [1] says so.", "calls": []},
+    ),
+    (
+        "mistral_not_a_call_stays_content",
+        "mistral",
+        False,
+        "Use [TOOL_CALLS] like this: (see docs)",
+        {"content": "Use [TOOL_CALLS] like this: (see docs)", "calls": []},
+    ),
+    (
+        "llama32_pythonic",  # Llama 3.2's pythonic template: [func_name1(params_name1=params_value1, ...)]
+        "pythonic",
+        False,
+        '[get_weather(city="San Francisco", days=3, metric=True, hours=[6, 18]), now()]',
+        {
+            "content": None,
+            "calls": [
+                ("get_weather", {"city": "San Francisco", "days": 3, "metric": True, "hours": [6, 18]}),
+                ("now", {}),
+            ],
+        },
+    ),
+    (
+        "pythonic_brackets_and_quotes_in_strings",
+        "pythonic",
+        False,
+        '[get_weather(city=\'a) ], "b\', hours=(1, 2)), get_weather(city="""x\nsays "hi")""")]',
+        {
+            "content": None,
+            "calls": [
+                ("get_weather", {"city": 'a) ], "b', "hours": [1, 2]}),
+                ("get_weather", {"city": 'x\nsays "hi")'}),
+            ],
+        },
+    ),
+    (
+        "pythonic_plain_answer",
+        "pythonic",
+        False,
+        "[1, 2, 3] are the numbers.",
+        {"content": "[1, 2, 3] are the numbers.", "calls": []},
+    ),
+    (
+        "pythonic_expression_is_not_a_call",  # never evaluated: only literals are arguments
+        "pythonic",
+        False,
+        "[get_weather(city=__import__('os').getcwd())]",
+        {"content": "[get_weather(city=__import__('os').getcwd())]", "calls": []},
+    ),
+    (
+        "granite3_tool_call_list",  # Granite 3.x: <|tool_call|> then a JSON list
+        "granite",
+        False,
+        '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "now", "arguments": {}}]',
+        {"content": None, "calls": [("get_weather", {"city": "Paris"}), ("now", {})]},
+    ),
+    (
+        "granite3_plain_answer",
+        "granite",
+        False,
+        "Paris is sunny today.",
+        {"content": "Paris is sunny today.", "calls": []},
+    ),
+    (
         "qwen3_thinking_then_answer",  # the answer opens <think> itself
         None,
         False,
@@ -428,14 +546,18 @@ _PIECES = [
     "<tool_call>", "</tool_call>", "<TOOLCALL>", "</TOOLCALL>", "<think>", "</think>", "<function=", "<parameter=",
     "</parameter>", "</function>", '{"name": "now", "arguments": ', '{"name": "get_weather"', '"arguments": {"city": ',
     '"x"', "{", "}", "[", "]", ",", ":", '"', "\\", " ", "\n", "now>", "city>", "é", "text", "<", "tru",
+    "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "now", "<|python_tag|>", "<|tool_call|>", '"parameters": {}', ";",
+    "get_weather(", "city=", ")", "(", "'", '"""', "now()", "3",
 ]  # fmt: skip
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(
     parts=st.lists(st.sampled_from(_PIECES), max_size=14),
     cuts=st.lists(st.integers(0, 400), max_size=5),
-    parser=st.sampled_from(["hermes", "nemotron_json", "qwen3_coder", None]),
+    parser=st.sampled_from(
+        ["hermes", "nemotron_json", "qwen3_coder", "llama3_json", "mistral", "pythonic", "granite", None]
+    ),
     think=st.sampled_from([None, "qwen3", "deepseek_r1"]),
 )
 def test_any_text_parses_the_same_however_it_is_split(parts: list[str], cuts: list[int], parser, think):
@@ -499,3 +621,106 @@ def test_long_xml_values_stream_in_pieces(trim_step: int, monkeypatch: pytest.Mo
         (call,) = shaper.message()["tool_calls"]
         assert json.loads(call["function"]["arguments"]) == expected, size
         _same(shaper.message(), _joined(deltas))
+
+
+# The tool-call instructions of real chat templates (their words, abridged), and the format each teaches.
+GRANITE_4_TEMPLATE = (  # ibm-granite/granite-4.0-h-*: hermes-style blocks in its tools system message
+    "{%- set tools_system_message_suffix = '\\n</tools>\\n\\nFor each tool call, return a json object with function "
+    'name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, '
+    '"arguments": <args-json-object>}\\n</tool_call>. If a tool does not exist in the provided list of tools, '
+    "notify the user that you do not have the ability to fulfill the request.' %}"
+    "{{- '<|start_of_role|>' + message.role + '<|end_of_role|>' }}"
+)
+GRANITE_3_TEMPLATE = (  # granite-3.x-instruct: calls as a JSON list after <|tool_call|>
+    "{%- if message['role'] == 'assistant_tool_call' %}"
+    "{{- '<|start_of_role|>assistant<|end_of_role|><|tool_call|>' + message['content'] + '<|end_of_text|>\\n' }}"
+)
+LLAMA_31_TEMPLATE = (
+    '{{- "Given the following functions, please respond with a JSON for a function call with its proper '
+    'arguments that best answers the given prompt.\\n\\n" }}'
+    '{{- \'Respond in the format {"name": function name, "parameters": dictionary of argument name and its '
+    "value}.' }}{{- \"Do not use variables.\\n\\n\" }}{{- '<|python_tag|>' + tool_call.name + '.call(' }}"
+)
+LLAMA_32_PYTHONIC_TEMPLATE = (
+    '{{- "If you decide to invoke any of the function(s), you MUST put it in the format of '
+    '[func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]\\n\\n" }}'
+)
+MISTRAL_TEMPLATE = (
+    '{{- "[AVAILABLE_TOOLS] [" }}...{{- "[/AVAILABLE_TOOLS]" }}'
+    '{{- "[TOOL_CALLS] [" }}{%- for tool_call in message.tool_calls %}...{{- raise_exception("Tool call IDs '
+    'should be alphanumeric strings with length 9!") }}'
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "parser"),
+    [
+        (GRANITE_4_TEMPLATE, "hermes"),
+        (GRANITE_3_TEMPLATE, "granite"),
+        (LLAMA_31_TEMPLATE, "llama3_json"),
+        (LLAMA_32_PYTHONIC_TEMPLATE, "pythonic"),
+        (MISTRAL_TEMPLATE, "mistral"),
+    ],
+)
+def test_auto_detects_the_new_formats_from_real_templates(template: str, parser: str):
+    assert detect_tool_parser(template) == parser
+
+
+def _arguments_sent(deltas: list[dict[str, Any]]) -> str:
+    return "".join(tc["function"]["arguments"] for d in deltas for tc in d.get("tool_calls", []) if "id" not in tc)
+
+
+def test_new_formats_stream_their_calls_before_the_answer_ends():
+    """JSON arguments (llama3_json, mistral) stream as they are written; a pythonic call goes out
+    when its parenthesis closes, before the list does."""
+    for parser, head, tail in (
+        ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Pa', 'ris"}}'),
+        ("mistral", 'OK[TOOL_CALLS]get_weather[ARGS]{"city": "Pa', 'ris"}'),
+        ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Pa', 'ris"}}]'),
+    ):
+        shaper = AnswerShaper(reasoning=None, tools=make_tool_parser(parser, TOOLS))
+        deltas = shaper.feed(head)
+        assert any(
+            tc.get("function", {}).get("name") == "get_weather" for d in deltas for tc in d.get("tool_calls", [])
+        )
+        assert _arguments_sent(deltas) == '{"city": "Pa', parser
+        deltas += shaper.feed(tail) + shaper.finish()
+        assert json.loads(_arguments_sent(deltas)) == {"city": "Paris"}
+    shaper = AnswerShaper(reasoning=None, tools=make_tool_parser("pythonic", TOOLS))
+    assert shaper.feed('[get_weather(city="Paris"') == []
+    deltas = shaper.feed("), now(")
+    assert json.loads(_arguments_sent(deltas)) == {"city": "Paris"}
+    deltas = shaper.feed(")]") + shaper.finish()
+    assert [c["function"]["name"] for c in shaper.message()["tool_calls"]] == ["get_weather", "now"]
+
+
+@pytest.mark.parametrize(
+    "parser", ["hermes", "nemotron_json", "qwen3_coder", "llama3_json", "mistral", "pythonic", "granite"]
+)
+def test_grammar_enforced_tool_choice_works_under_every_format(parser: str):
+    """tool_choice required / named are a JSON grammar whatever the model's own format; the call
+    ids are the ones the format's template takes back (Mistral's: 9 letters or digits)."""
+    from himamba.common.config import HttpConfig
+    from himamba.services.tokenizer.http.chat_parsing import ChatParsing
+
+    parsing = ChatParsing(HttpConfig(tool_call_parser=parser), None)
+    plan = parsing.plan(TOOLS, "required", True)
+    assert plan.grammar is not None and plan.grammar.kind == "json_schema"
+    make = parsing.shaping(plan, TOOLS, "prompt")
+    assert make is not None
+    shaper = make()
+    shaper.feed('[{"name": "get_weather", "parameters": {"city": "Oslo"}}]')
+    shaper.finish()
+    (call,) = shaper.message()["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    if parser == "mistral":
+        assert len(call["id"]) == 9 and call["id"].isalnum()
+    else:
+        assert call["id"].startswith("call_")
+    named = parsing.plan(TOOLS, {"type": "function", "function": {"name": "now"}}, True)
+    make = parsing.shaping(named, TOOLS, "prompt")
+    assert make is not None
+    shaper = make()
+    shaper.feed("{}")
+    shaper.finish()
+    assert shaper.message()["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"}

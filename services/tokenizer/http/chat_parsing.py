@@ -13,7 +13,7 @@ from himamba.common.types import SamplingParams
 from himamba.services.tokenizer.http.errors import ApiError
 from himamba.services.tokenizer.http.tool_choice import ToolPlan, plan_tools
 from himamba.services.tokenizer.reasoning_parser import THINK_OPEN, ThinkParser, prompt_opened_thinking
-from himamba.services.tokenizer.tool_parsers import detect_tool_parser, make_tool_parser
+from himamba.services.tokenizer.tool_parsers import call_id_maker, detect_tool_parser, make_tool_parser
 from himamba.services.tokenizer.tool_parsers.events import StreamParser
 from himamba.services.tokenizer.tool_parsers.forced import NamedCall, RequiredCalls
 from himamba.services.tokenizer.tool_parsers.streaming import AnswerShaper
@@ -83,7 +83,11 @@ class ChatParsing:
             thinks = reasoning is not None and plan.grammar is None
             think = ThinkParser(reasoning, opened) if thinks and reasoning is not None else None
             return AnswerShaper(
-                reasoning=think, tools=tool_parser, max_calls=plan.max_calls, calls_finish=plan.mode != "named"
+                reasoning=think,
+                tools=tool_parser,
+                max_calls=plan.max_calls,
+                calls_finish=plan.mode != "named",
+                call_id=call_id_maker(self.tool_parser),  # the template replays them, whatever the mode
             )
 
         return make

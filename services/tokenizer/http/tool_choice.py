@@ -140,7 +140,8 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
             raise ApiError(
                 400,
                 'tool_choice "auto" needs a tool-call parser, and this server has none for its chat template '
-                "(start it with --tool-call-parser hermes, nemotron_json or qwen3_coder), or send tool_choice "
+                "(start it with --tool-call-parser hermes, nemotron_json, qwen3_coder, llama3_json, mistral, pythonic "
+                "or granite), or send tool_choice "
                 '"required", a named function, or "none"',
                 param="tool_choice",
             )

@@ -26,7 +26,7 @@ ARGS_KEYS = ("arguments", "parameters")  # Nemotron and Hermes write "arguments"
 class JsonCallScanner:
     """Scans the JSON text of tool calls; calls are numbered from `first_index`."""
 
-    def __init__(self, first_index: int = 0):
+    def __init__(self, first_index: int = 0, separators: str = ","):
         self._chunks: list[str] = []  # everything fed so far (joined only when `text` is read)
         self._size = 0
         self._piece = ""  # the text being scanned, from `_piece_start`
@@ -34,6 +34,7 @@ class JsonCallScanner:
         self._capture: list[str] | None = None  # the raw characters of the key or value being read
         self.error_at: int | None = None
         self.next_index = first_index  # the index the next call will have
+        self._separators = separators  # between top-level calls (Llama 3 writes "; ")
         self._depth = 0
         self._base: int | None = None  # depth at which call objects open: 0, or 1 inside an array
         self._array_closed = False
@@ -102,7 +103,7 @@ class JsonCallScanner:
     # ------------------------------------------------------------ levels
 
     def _top_level_char(self, i: int, c: str) -> None:
-        if c in _WS or c == ",":
+        if c in _WS or c in self._separators:
             return
         if self._array_closed:
             self._fail(i)

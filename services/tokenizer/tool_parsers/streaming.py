@@ -10,6 +10,7 @@ a call's first delta carries its `index`, `id`, `type` and `function.name` with 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from himamba.services.tokenizer.tool_parsers.events import (
@@ -32,7 +33,8 @@ class AnswerShaper:
 
     `max_calls` (1 when parallel_tool_calls is false) drops the calls after the first ones;
     `calls_finish`: an answer that called tools finishes with "tool_calls" (OpenAI does so for
-    tool_choice auto and required, not for a named function: "stop")."""
+    tool_choice auto and required, not for a named function: "stop"); `call_id` makes the calls'
+    ids (Mistral's templates want theirs: tool_parsers.call_id_maker)."""
 
     def __init__(
         self,
@@ -41,8 +43,10 @@ class AnswerShaper:
         tools: StreamParser | None,
         max_calls: int | None = None,
         calls_finish: bool = True,
+        call_id: Callable[[], str] = tool_call_id,
     ):
         self._calls_finish = calls_finish
+        self._call_id = call_id
         self._reasoning = reasoning
         self._tools = tools
         self._max_calls = max_calls
@@ -126,7 +130,7 @@ class AnswerShaper:
                 else:
                     deltas.append({"reasoning_content": e.text})
             elif isinstance(e, ToolStart):
-                call = {"id": tool_call_id(), "type": "function", "function": {"name": e.name, "arguments": ""}}
+                call = {"id": self._call_id(), "type": "function", "function": {"name": e.name, "arguments": ""}}
                 self._calls.append(call)
                 self._args.append([])
                 head = {"index": len(self._calls) - 1, **call, "function": {"name": e.name, "arguments": ""}}

@@ -1,5 +1,6 @@
 """Content with tool-call blocks between a start and an end tag (`<tool_call>...</tool_call>`,
-`<TOOLCALL>...</TOOLCALL>`), parsed as it streams.
+`<TOOLCALL>...</TOOLCALL>`), or after a start tag alone (`[TOOL_CALLS]`: the block runs to the
+next start tag or the end of the answer), parsed as it streams.
 
 Outside a block the text is content; a possible start of a tag is held back until the next delta
 settles it. Inside a block a scanner (JSON or XML) turns the text into tool-call events. A block
@@ -34,7 +35,7 @@ class BlockScanner(Protocol):
 class TaggedCalls:
     """A StreamParser for tool calls inside `start` ... `end` blocks."""
 
-    def __init__(self, start: str, end: str, make_scanner: Callable[[int], BlockScanner]):
+    def __init__(self, start: str, end: str | None, make_scanner: Callable[[int], BlockScanner]):
         self._start = start
         self._end = end
         self._make = make_scanner
@@ -63,15 +64,20 @@ class TaggedCalls:
                 self._scanner = self._make(self._calls)
                 self._committed = self._failed = False
             else:
-                k = self._pending.find(self._end)
+                end = self._start if self._end is None else self._end
+                k = self._pending.find(end)
                 if k < 0:
-                    keep = held_prefix(self._pending, self._end)
+                    keep = held_prefix(self._pending, end)
                     self._inside(self._pending[: len(self._pending) - keep], out)
                     self._pending = self._pending[len(self._pending) - keep :]
                     return out
                 self._inside(self._pending[:k], out)
-                self._pending = self._pending[k + len(self._end) :]
-                self._close_block(self._end, out)
+                if self._end is None:  # the next block's start tag: left for the next turn of the loop
+                    self._pending = self._pending[k:]
+                    self._close_block("", out)
+                else:
+                    self._pending = self._pending[k + len(self._end) :]
+                    self._close_block(self._end, out)
 
     def finish(self) -> list[Event]:
         out: list[Event] = []
