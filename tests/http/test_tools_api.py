@@ -235,6 +235,29 @@ def test_required_and_named_send_the_tool_schema_as_grammar(tools_harness: ToolH
     assert json.loads(add.sampling.grammar.spec) == WEATHER["function"]["parameters"]
 
 
+def test_required_cut_by_max_tokens_returns_only_complete_calls(tools_harness: ToolHarness):
+    """The engine stops mid-call (finish "length"): the answer keeps the calls that closed, each
+    with valid JSON arguments, streamed or whole; the cut call is not returned."""
+    two = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_weather", "parameters": {"city": "Ro'
+    tools_harness.scheduler.replies["cut-calls"] = two + 'me"}}]'
+    max_tokens = len(tools_harness.tokenizer.encode(two).ids)
+    body = _chat("cut-calls 1", tools=[WEATHER], tool_choice="required") | {"max_tokens": max_tokens}
+    (choice,) = tools_harness.post("/v1/chat/completions", body).json()["choices"]
+    assert choice["finish_reason"] == "length"
+    (call,) = choice["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    events = tools_harness.stream(
+        _chat("cut-calls 2", tools=[WEATHER], tool_choice="required") | {"max_tokens": max_tokens}
+    )
+    calls = [tc for e in events for tc in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert {tc["index"] for tc in calls} == {0}
+    assert json.loads("".join(tc["function"]["arguments"] for tc in calls)) == {"city": "Oslo"}
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    short = _chat("cut-calls 3", tools=[WEATHER], tool_choice="required") | {"max_tokens": 5}
+    (choice,) = tools_harness.post("/v1/chat/completions", short).json()["choices"]
+    assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
+
+
 # ---------------------------------------------------------------- nothing silently ignored
 
 CHAT_REFUSED = [

@@ -724,3 +724,24 @@ def test_grammar_enforced_tool_choice_works_under_every_format(parser: str):
     shaper.feed("{}")
     shaper.finish()
     assert shaper.message()["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"}
+
+
+def test_required_calls_cut_short_keep_only_the_complete_ones():
+    """tool_choice required cut by max_tokens at any point: the calls that closed, each with valid
+    JSON arguments, streamed the same as whole; never part of a call."""
+    text = (
+        '[{"name": "get_weather", "parameters": {"city": "Oslo", "hours": [1, 2]}}, {"name": "now", "parameters": {}}]'
+    )
+    first_closes = text.index("}}") + 2
+    for cut in range(len(text) + 1):
+        for pieces in ([text[:cut]], [text[i : i + 1] for i in range(cut)]):
+            shaper = AnswerShaper(reasoning=None, tools=RequiredCalls())
+            deltas = [d for p in pieces for d in shaper.feed(p)] + shaper.finish()
+            msg = shaper.message()
+            calls = msg.get("tool_calls", [])
+            for call in calls:
+                json.loads(call["function"]["arguments"])  # never a call with invalid arguments
+            want = 0 if cut < first_closes else 1 if cut < len(text) - 1 else 2
+            assert len(calls) == want, (cut, calls)
+            assert msg["content"] in ("", None)
+            _same(msg, _joined(deltas))

@@ -33,15 +33,24 @@ class NamedCall:
 
 class RequiredCalls:
     """The whole answer is a JSON array of calls; text the scan cannot read is content (which the
-    grammar makes impossible unless the answer was cut short)."""
+    grammar makes impossible unless the answer was cut short).
+
+    Each call is held back until its object closes, then sent whole: an answer cut short by
+    max_tokens (finish "length") carries the calls it completed and never one whose arguments
+    are not valid JSON."""
 
     def __init__(self) -> None:
         self._scanner = JsonCallScanner()
         self._sent_error = False
+        self._held: list[Event] = []  # the events of the call not closed yet
 
     def feed(self, text: str) -> list[Event]:
-        out = self._scanner.feed(text)
+        events = self._held + self._scanner.feed(text)
+        done = self._scanner.next_index  # calls below this index have closed
+        out = [e for e in events if not isinstance(e, (ToolStart, ToolArgs)) or e.index < done]
+        self._held = [e for e in events if isinstance(e, (ToolStart, ToolArgs)) and e.index >= done]
         if self._scanner.error_at is not None:
+            self._held = []
             if not self._sent_error:
                 self._sent_error = True
                 out.append(Text(self._scanner.text_from(self._scanner.error_at)))
@@ -50,4 +59,5 @@ class RequiredCalls:
         return out
 
     def finish(self) -> list[Event]:
+        self._held = []  # a call cut short is dropped
         return []
