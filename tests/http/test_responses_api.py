@@ -341,11 +341,20 @@ def test_previous_tool_call_is_continued_by_its_output(client: openai.OpenAI, ha
         model="fake-model", previous_response_id=first.id, tools=[WEATHER],
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "rainy tool-result-marker"}],
     )  # fmt: skip
+    # the stored turn token for token (the model's own tool-call text, not the template's rendering
+    # of it), closed as the template closes an assistant turn, then the output as the next turn
     prompt = harness.prompt_of("tool-result-marker")
     assert prompt.endswith(
-        '<|assistant|>\nChecking.<tool_call>get_weather {"city": "Zürich"}</tool_call><|endoftext|>\n'
-        "<|tool|>\nrainy tool-result-marker<|endoftext|>\n<|assistant|>\n"
+        "<|assistant|>\n"
+        + CALL_TEXT
+        + "<|endoftext|>\n<|tool|>\nrainy tool-result-marker<|endoftext|>\n<|assistant|>\n"
     )
+    turn_one = harness.add_request("call-weather please")
+    output_ids = harness.tokenizer.encode(CALL_TEXT).ids
+    assert harness.add_request("tool-result-marker").input_ids[: len(turn_one.input_ids) + len(output_ids)] == [
+        *turn_one.input_ids,
+        *output_ids,
+    ]
 
 
 def test_input_items_list_the_whole_conversation(client: openai.OpenAI, harness: Harness):
@@ -562,3 +571,31 @@ def test_logit_bias_is_passed_on_and_checked(harness: Harness):
     for bias, words in (({"x": 1}, "keys are token ids"), ({"12": 101}, "out of range [-100, 100]")):
         r = harness.request("POST", "/v1/responses", {"input": "bias-bad", "logit_bias": bias})
         assert r.status == 400 and words in r.json()["error"]["message"], r.body
+
+
+def test_previous_response_id_extends_the_stored_token_ids(client: openai.OpenAI, harness: Harness):
+    """The next turn's prompt is the stored turn's ids (prompt and output, as generated) then the
+    template's end of that turn and the new input as the next turn: an exact extension."""
+    harness.scheduler.replies["ends-with-eos"] = "Closed turn.<|endoftext|>"
+    first = client.responses.create(model="fake-model", input="ext-one ends-with-eos", instructions="rules")
+    second = client.responses.create(
+        model="fake-model", input="ext-two", previous_response_id=first.id, instructions="rules"
+    )
+    one, two = harness.add_request("ext-one"), harness.add_request("ext-two")
+    output_ids = harness.tokenizer.encode("Closed turn.<|endoftext|>").ids
+    assert output_ids[-1] == 0  # the model closed its turn with EOS: it is not written twice
+    assert two.input_ids == [
+        *one.input_ids,
+        *output_ids,
+        *harness.tokenizer.encode("\n<|user|>\next-two<|endoftext|>\n<|assistant|>\n").ids,
+    ]
+    # cut by max_output_tokens: the template's end of turn (EOS included) closes it
+    third = client.responses.create(
+        model="fake-model", input="ext-three", previous_response_id=second.id, instructions="rules", max_output_tokens=2
+    )
+    assert third.status == "incomplete"
+    client.responses.create(model="fake-model", input="ext-four", previous_response_id=third.id, instructions="rules")
+    three, four = harness.add_request("ext-three"), harness.add_request("ext-four")
+    cut = output_ids[:2]  # the fake model answers the same: its prompt still holds "ends-with-eos"
+    closing = harness.tokenizer.encode("<|endoftext|>\n<|user|>\next-four<|endoftext|>\n<|assistant|>\n").ids
+    assert four.input_ids == [*three.input_ids, *cut, *closing]

@@ -86,14 +86,21 @@ def test_second_turn_is_served_from_the_prefix_cache(client: openai.OpenAI, mode
     assert cached >= context - 16, (cached, first.usage)
     by_tier = (second.usage.input_tokens_details.model_extra or {})["cached_tokens_by_tier"]
     assert sum(by_tier.values()) == cached
-    # the continuation is the chat conversation of both turns: its greedy tokens are those of
-    # /v1/completions on the same token ids
-    messages = [
-        {"role": "user", "content": LONG_INPUT},
-        {"role": "assistant", "content": first.output_text},
-        {"role": "user", "content": "And briefly?"},
+    # the continuation extends the first turn's token ids (its prompt, its greedy output) by the
+    # template's end of turn and the new user turn (the demo checkpoint's template: "<|role|>\n...
+    # <|endoftext|>\n"); its greedy tokens are those of /v1/completions on those same ids
+    first_prompt = live_server.post_json(
+        "/tokenize", {"model": model, "messages": [{"role": "user", "content": LONG_INPUT}]}
+    )["tokens"]
+    again = {"model": model, "prompt": first_prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    first_output = live_server.post_json("/v1/completions", again)["choices"][0]["token_ids"]
+    assert len(first_output) == first.usage.output_tokens
+    closing = "<|endoftext|>\n" if first.status == "incomplete" else "\n"  # EOS ends a completed turn
+    tail = closing + "<|user|>\nAnd briefly?<|endoftext|>\n<|assistant|>\n"
+    tail_ids = live_server.post_json("/tokenize", {"model": model, "prompt": tail, "add_special_tokens": False})[
+        "tokens"
     ]
-    ids = live_server.post_json("/tokenize", {"model": model, "messages": messages})["tokens"]
+    ids = [*first_prompt, *first_output, *tail_ids]
     assert len(ids) == second.usage.input_tokens
     plain = live_server.post_json("/v1/completions", {"model": model, "prompt": ids, "max_tokens": 8, "temperature": 0})
     assert plain["choices"][0]["text"] == second.output_text

@@ -3,7 +3,8 @@ least recently used dropped first. Owned by the HTTP front door; lost on restart
 
 A stored response keeps its Response object (for GET) and its input items (after any previous
 response's input and output): with its output, the conversation that the next turn's
-`previous_response_id` continues.
+`previous_response_id` continues. A finished one also keeps the token ids its turn ran on
+(responses_continuation.py), which the next turn extends.
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from himamba.services.tokenizer.http.responses_continuation import StoredTokens
+
 
 class StoredResponse(NamedTuple):
     """One kept response: the Response object and the items that were its input."""
 
     response: dict[str, Any]
     inputs: list[dict[str, Any]]
-    size: int  # bytes of both as JSON: what the budget counts
+    size: int  # bytes of all it keeps, as JSON: what the budget counts
+    tokens: StoredTokens | None = None  # the turn's token ids (a finished response)
 
     @property
     def conversation(self) -> list[dict[str, Any]]:
@@ -39,17 +43,25 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def put(self, response_id: str, response: dict[str, Any], inputs: list[dict[str, Any]]) -> bool:
+    def put(
+        self,
+        response_id: str,
+        response: dict[str, Any],
+        inputs: list[dict[str, Any]],
+        tokens: StoredTokens | None = None,
+    ) -> bool:
         """Keep a response (dropping the least recently used to make room); False when it
         cannot be kept at all (no room, or larger than the whole budget)."""
         size = len(msgspec.json.encode(response)) + len(msgspec.json.encode(inputs))
+        if tokens is not None:
+            size += len(msgspec.json.encode(tokens))
         if self.max_count == 0 or size > self.max_bytes:
             return False
         self.delete(response_id)
         while self._kept and (len(self._kept) >= self.max_count or self.bytes + size > self.max_bytes):
             _, dropped = self._kept.popitem(last=False)
             self.bytes -= dropped.size
-        self._kept[response_id] = StoredResponse(response, inputs, size)
+        self._kept[response_id] = StoredResponse(response, inputs, size, tokens)
         self.bytes += size
         return True
 

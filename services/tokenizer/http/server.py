@@ -371,9 +371,11 @@ class HttpServer:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return await self._serve(request, chat.req, builder, include_usage)
 
-    async def chat_request(self, body: ChatBody, rid: str) -> ChatRequest:
+    async def chat_request(self, body: ChatBody, rid: str, input_ids: list[int] | None = None) -> ChatRequest:
         """A chat body checked (its constraint built off the event loop), rendered by the chat
-        template and tokenized (the Responses API builds its requests here too)."""
+        template and tokenized (the Responses API builds its requests here too: `input_ids`, when
+        given, are the prompt, which the rendered text must equal in meaning: a stored
+        conversation extended token for token)."""
         messages = chat_messages(body)
         ask = chat_logprobs_ask(body)
         parsing = self._chat_parsing(self.door.chat_template)
@@ -389,7 +391,8 @@ class HttpServer:
             chat_template_kwargs=body.chat_template_kwargs,
         )
         # The template writes the special tokens itself (as HF's apply_chat_template does).
-        input_ids = self.door.tokenizer.encode(text, add_special_tokens=False).ids
+        if input_ids is None:
+            input_ids = self.door.tokenizer.encode(text, add_special_tokens=False).ids
         if not input_ids:
             raise ApiError(400, "the chat template rendered an empty prompt", param="messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
