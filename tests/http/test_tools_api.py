@@ -383,3 +383,56 @@ def test_the_http_api_page_lists_every_field_accepted_without_effect():
     page = (Path(__file__).resolve().parents[2] / "docs" / "api" / "http.md").read_text()
     for field in set(ChatNoEffect.__struct_fields__) | set(CompletionNoEffect.__struct_fields__):
         assert f"`{field}`" in page, field
+
+
+# ---------------------------------------------------------------- a Mistral-style template, end to end
+
+# Mistral's v3 template, abridged: calls replayed in a [TOOL_CALLS] list, and ids of 9 characters checked.
+MISTRAL_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}[INST]{{ m['content'] }}[/INST]"
+    "{% elif m['role'] == 'assistant' and m['tool_calls'] %}[TOOL_CALLS] ["
+    "{% for c in m['tool_calls'] %}{% if c['id'] | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": {{ c['function']['arguments'] }}, "
+    '"id": "{{ c[\'id\'] }}"}{% endfor %}]<|endoftext|>'
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}<|endoftext|>"
+    "{% elif m['role'] == 'tool' %}[TOOL_RESULTS]{{ m['content'] }}[/TOOL_RESULTS]{% endif %}"
+    "{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def mistral_harness(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer: Tokenizer) -> Iterator[ToolHarness]:
+    tok_cfg = {"eos_token": "<|endoftext|>", "chat_template": MISTRAL_TEMPLATE}
+    model_dir = write_model_dir(tmp_path_factory.mktemp("mistral-model"), demo_tokenizer, tok_cfg)
+    cfg = service_config(model_dir, 512, http={"port": free_port(), "api_key": KEY, "tool_call_parser": "auto"})
+    scheduler = FakeScheduler(cfg, demo_tokenizer, "plain answer", cfg_cached())
+    try:
+        with running_service(cfg):
+            yield ToolHarness(cfg.http.port, scheduler, demo_tokenizer)
+    finally:
+        scheduler.close()
+
+
+def test_mistral_calls_are_read_and_their_ids_replay_in_its_template(mistral_harness: ToolHarness):
+    """auto picks `mistral` from the template; the call's id (9 letters or digits) is one the
+    template accepts when the conversation comes back with the tool's result."""
+    mistral_harness.scheduler.replies["paris-weather"] = 'On it.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+    r = mistral_harness.post("/v1/chat/completions", _chat("paris-weather 1", tools=[WEATHER]))
+    (choice,) = r.json()["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "On it."
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert len(call["id"]) == 9 and call["id"].isalnum()
+    events = mistral_harness.stream(_chat("paris-weather 2", tools=[WEATHER]))
+    calls = [tc for e in events for tc in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert "".join(tc["function"]["arguments"] for tc in calls) == '{"city": "Paris"}'
+    follow = [
+        {"role": "user", "content": "paris-weather 3"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "sunny"},
+    ]
+    r = mistral_harness.post("/v1/chat/completions", {"messages": follow, "tools": [WEATHER], "max_tokens": 5})
+    assert r.status == 200, r.body
+    assert f'"id": "{call["id"]}"' in mistral_harness.prompt_of("[TOOL_RESULTS]sunny")
