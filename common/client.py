@@ -29,7 +29,8 @@ Client -> server (`ClientRequest`):
   `logprobs`), `prompt_logprobs` (int | nil: the prompt tokens' logprobs with that many
   alternatives; such a request skips the prefix cache), `grammar` (structured outputs:
   ``{"kind": "json_schema" | "json_object" | "regex" | "choice" | "ebnf", "spec": str}``, the
-  schema as JSON text, the choices as a JSON list; an invalid one is a 400). `api_key` (str): required when the server was started with
+  schema as JSON text, the choices as a JSON list; an invalid one is a 400), `logit_bias` ({int: float}: at
+  most 300 token ids, each bias in -100..100). `api_key` (str): required when the server was started with
   `--api-key` (the same key HTTP clients send as a Bearer token); a request without it is
   answered by an ErrorReply with code 401. `rid` is at most 256 characters. A tcp:// client
   endpoint is either CURVE-encrypted with an allow-list of client keys (`CurveKeys`) or marked
@@ -127,6 +128,9 @@ class Completion(NamedTuple):
     index: int = 0
     top_logprobs: list[TokenLogprobs] | None = None  # sampling.top_logprobs > 0: one per token
     prompt_logprobs: list[TokenLogprobs] | None = None  # sampling.prompt_logprobs: prompt tokens 1..
+    # finish "stop": the stop string or stop token id (None for EOS), and the same or the EOS id
+    stop_reason: int | str | None = None
+    matched_stop: int | str | None = None
 
 
 class GenerateOptions(TypedDict, total=False):
@@ -150,6 +154,7 @@ class GenerateOptions(TypedDict, total=False):
     top_logprobs: int
     prompt_logprobs: int | None
     grammar: GrammarSpec | None
+    logit_bias: dict[int, float] | None
 
 
 def make_request(
@@ -175,6 +180,7 @@ def make_request(
     top_logprobs: int = 0,
     prompt_logprobs: int | None = None,
     grammar: GrammarSpec | None = None,
+    logit_bias: dict[int, float] | None = None,
 ) -> GenerateRequest:
     """Build a GenerateRequest (a fresh rid when none is given). Ranges are checked by the server."""
     if (prompt is None) == (input_ids is None):
@@ -199,6 +205,7 @@ def make_request(
         top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs,
         grammar=grammar,
+        logit_bias=dict(logit_bias or {}),
     )
     return GenerateRequest(
         rid=rid or uuid.uuid4().hex,
@@ -223,6 +230,7 @@ class CompletionBuilder:
         self._prompt_ids: list[int] | None = None
         self._reason: FinishReason | None = None
         self._usage: Usage | None = None
+        self._stopped: tuple[int | str | None, int | str | None] = (None, None)
 
     def add(self, chunk: GenerateChunk) -> None:
         self._text.append(chunk.text)
@@ -238,6 +246,7 @@ class CompletionBuilder:
         if chunk.finished:
             self._reason = chunk.finish_reason
             self._usage = chunk.usage
+            self._stopped = (chunk.stop_reason, chunk.matched_stop)
 
     def build(self) -> Completion:
         return Completion(
@@ -251,6 +260,7 @@ class CompletionBuilder:
             self._index,
             self._top,
             self._prompt_logprobs,
+            *self._stopped,
         )
 
 

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import zmq
 
-from himamba.common.client import AsyncClient, Client, Completion, HimambaError, make_request
+from himamba.common.client import AsyncClient, Client, Completion, CompletionBuilder, HimambaError, make_request
 from himamba.common.config import Config, load
 from himamba.common.messages import AbortGenerate, ClientRequest, ErrorReply, GenerateChunk, GenerateRequest
 from himamba.common.runtime_dir import resolve_endpoints
@@ -161,6 +161,18 @@ def test_make_request_checks_prompt_xor_ids_and_fills_sampling() -> None:
     assert (sp.max_tokens, sp.stop, sp.temperature, sp.seed) == (5, ["x"], 0.5, 3)
     assert make_request("a").rid != make_request("a").rid
     assert make_request(input_ids=[1, 2], rid="mine", stream=False).rid == "mine"
+    assert make_request("a", logit_bias={3: 100.0}).sampling.logit_bias == {3: 100.0}
+
+
+def test_a_completion_says_what_stopped_it() -> None:
+    builder = CompletionBuilder("r")
+    builder.add(
+        GenerateChunk(
+            rid="r", text="hi", token_ids=[5, 7], finished=True, finish_reason="stop", stop_reason=7, matched_stop=7
+        )
+    )
+    done = builder.build()
+    assert (done.finish_reason, done.stop_reason, done.matched_stop) == ("stop", 7, 7)
 
 
 def test_wait_connected_tells_whether_a_server_is_there(server: FakeServer) -> None:
