@@ -132,11 +132,20 @@ def main(argv: list[str] | None = None) -> int:
         "--scale-rounds", type=int, default=3,
         help="--scale: rounds over the cases, in alternating order; a case's row is its median round",
     )  # fmt: skip
+    p.add_argument(
+        "--scale-cases", default="",
+        help="--scale: cases as RUNNINGxCONTEXT[-penalty], comma-separated (default: "
+        "32x2048,32x32768,256x2048,256x32768,256x2048-penalty)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.scale:
-        from himamba.bench.scheduler_scale import run_scale
+        from himamba.bench.scheduler_scale import CASES, parse_cases, run_scale
 
-        return run_scale(Path(args.out), args.forward_ms, args.scale_steps, rounds=args.scale_rounds)
+        try:
+            cases = parse_cases(args.scale_cases) if args.scale_cases else CASES
+        except ValueError as e:
+            p.error(str(e))
+        return run_scale(Path(args.out), args.forward_ms, args.scale_steps, cases, rounds=args.scale_rounds)
     strategies = [t.strip() for t in args.strategies.split(",") if t.strip()]
     # The checkpoint it builds and the servers' logs live only as long as the run.
     with tempfile.TemporaryDirectory(prefix="himamba-bench-") as tmp:

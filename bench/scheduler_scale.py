@@ -76,6 +76,17 @@ CASES = (
 )
 
 
+def parse_cases(text: str) -> tuple[ScaleCase, ...]:
+    """Cases named as their keys, comma-separated: RUNNINGxCONTEXT, with -penalty for a repetition penalty."""
+    cases = []
+    for key in (t.strip() for t in text.split(",")):
+        running, sep, context = key.removesuffix("-penalty").partition("x")
+        if not (sep and running.isdigit() and context.isdigit() and int(running) > 0 and int(context) > 0):
+            raise ValueError(f"a scale case is RUNNINGxCONTEXT[-penalty], e.g. 32x2048, got {key!r}")
+        cases.append(ScaleCase(int(running), int(context), key.endswith("-penalty")))
+    return tuple(cases)
+
+
 class ScaleResult(NamedTuple):
     case: str
     running: int
