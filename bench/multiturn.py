@@ -13,6 +13,12 @@ Each configuration runs against a server the bench starts itself:
   storage  device + host + the file storage backend in a fresh temporary directory (when the
            server has `--hicache-storage-backend`; else skipped with a note)
 
+With `--peer-url URL` every round goes over HTTP instead (OpenAI `/v1/completions`, streamed, token
+ids in and out: `openai_turns.py`), to our servers (started with an HTTP port) and to the peer, any
+OpenAI-compatible server on the same checkpoint (vLLM's `vllm serve`, with prefix caching on or off;
+sglang's): the same conversations through the same client, and a table of TTFT p50/p99 and throughput
+side by side, ours against the peer's (the `peer` row).
+
 Prints two tables (latency/throughput; cached-token ratio per tier against the workload's ideal
 and ratios against `none`), writes <out>/multiturn.json and <out>/multiturn.png (the PNG needs
 matplotlib: `pip install 'himamba[bench]'`). Every output states the machine and the model.
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -32,25 +39,27 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from himamba.bench.arrivals import Arrivals
+from himamba.bench.http_completions import served_model
 from himamba.bench.latency_summary import LATE_ROUND, RunSummary, add_ratios_vs_none, summarize
 from himamba.bench.machine_info import describe_machine
 from himamba.bench.model_info import describe_model
-from himamba.bench.multiturn_driver import run_multiturn
-from himamba.bench.multiturn_report import format_tables, goal_lines, limit_lines, plot
+from himamba.bench.multiturn_driver import TurnClient, ZmqTurns, run_multiturn
+from himamba.bench.multiturn_report import format_tables, goal_lines, limit_lines, peer_comparison, peer_table, plot
+from himamba.bench.openai_turns import OpenAITurns
 from himamba.bench.progress import Progress
 from himamba.bench.report_files import write_json
-from himamba.bench.servers import ServerProcess, himamba_command, start_server
+from himamba.bench.servers import ServerProcess, free_port, himamba_command, start_server
 from himamba.bench.ttft_limit import measure_ttft_limit
-from himamba.bench.workload import WorkloadSpec, ordinary_token_ids
-from himamba.common.client import AsyncClient
+from himamba.bench.workload import Turn, WorkloadSpec, ordinary_token_ids
 from himamba.common.config import ModelConfig, resolve_dtype
 
 CONFIGS = ("none", "device", "host", "storage")
+PEER = "peer"  # the row of the server at --peer-url
 _STORAGE_FLAG = "--hicache-storage-backend"
 _SERVER_DEFAULT_CONTEXT = 4096
 _DEMO_ARCH = "nemotron_h"
@@ -107,7 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--torch-threads", type=int, default=0, help="torch threads of each server's worker (0: default)")
     s.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     s.add_argument("--server-args", default="", help="extra `himamba serve` flags for every configuration")
-    s.add_argument("--endpoint", default="", help="bench this running server instead (one row, 'external'; needs --model)")
+    s.add_argument(
+        "--endpoint", default="", help="bench this running server instead (one row, 'external'; needs --model)"
+    )
+    s.add_argument(
+        "--peer-url",
+        default="",
+        help="also run the conversations against this OpenAI-compatible server (e.g. http://127.0.0.1:8000 of "
+        "`vllm serve` on --model's checkpoint), everything over HTTP through one client; a 'peer' row",
+    )
+    s.add_argument("--peer-model", default="", help="the model name the peer serves (default: the first at /v1/models)")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="himamba-bench-multiturn", help="folder for multiturn.json and multiturn.png")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -153,7 +171,9 @@ def demo_model_dir(preset: str) -> Path:
 def storage_supported() -> bool:
     """Whether this server build has the storage tier flags (read from `himamba serve --help`)."""
     env = dict(os.environ, PYTHONSAFEPATH="1")
-    out = subprocess.run([*himamba_command(), "serve", "--help"], capture_output=True, text=True, env=env, timeout=120, check=False)
+    out = subprocess.run(
+        [*himamba_command(), "serve", "--help"], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
     return _STORAGE_FLAG in out.stdout
 
 
@@ -170,23 +190,26 @@ def config_flags(name: str, storage_dir: Path, has_storage: bool) -> list[str]:
     return [_STORAGE_FLAG, "file", "--hicache-storage-dir", str(storage_dir)]
 
 
-async def _warm_up(endpoint: str, token_pool: Sequence[int]) -> None:
+async def _warm_up(turns: TurnClient, token_pool: Sequence[int]) -> None:
     """One short request first: the first forward of a fresh worker pays one-off costs."""
     rng = random.Random("warm-up")
     ids = [token_pool[rng.randrange(len(token_pool))] for _ in range(64)]
-    async with AsyncClient(endpoint, timeout_s=600) as c:
-        await c.generate(input_ids=ids, max_tokens=4, ignore_eos=True)
+    async with turns:
+        rec, _ = await turns.timed_request(Turn(client=-1, round=1, input_ids=ids, repeated_len=0), 4)
+    if not rec.ok:
+        raise RuntimeError(f"the warm-up request failed: {rec.error}")
 
 
 def _run_rates(
     config: str,
-    endpoint: str,
+    turns: Callable[[], TurnClient],
     args: argparse.Namespace,
     spec: WorkloadSpec,
     token_pool: Sequence[int],
     rates: Sequence[float],
 ) -> list[RunSummary]:
-    asyncio.run(_warm_up(endpoint, token_pool))
+    """`turns` makes a fresh client per run (an HTTP session belongs to one event loop)."""
+    asyncio.run(_warm_up(turns(), token_pool))
     rows = []
     for i, rate in enumerate(rates):
         # Fresh conversations per rate (nothing cached by an earlier rate can hit), the same
@@ -197,7 +220,7 @@ def _run_rates(
         try:
             result = asyncio.run(
                 run_multiturn(
-                    endpoint,
+                    turns(),
                     spec_i,
                     token_pool,
                     max_parallel=args.max_parallel,
@@ -233,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         spec = spec_from_args(args)
         if args.endpoint and not args.model:
             raise ValueError("--endpoint needs --model (the checkpoint the server runs: its vocabulary is sampled)")
+        if args.endpoint and args.peer_url:
+            raise ValueError("--peer-url compares servers the bench starts, over HTTP; --endpoint is a ZeroMQ endpoint")
+        if args.peer_url and not args.peer_url.startswith(("http://", "https://")):
+            raise ValueError(f"--peer-url must be an http:// or https:// URL, got {args.peer_url!r}")
     except ValueError as e:
         print(f"himamba bench multiturn: {e}", file=sys.stderr)
         return 2
@@ -256,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     if context > _SERVER_DEFAULT_CONTEXT:
         common += ["--max-context-len", str(context)]
     if model.max_position_embeddings and context > model.max_position_embeddings:
-        notes.append(f"conversations reach {context} tokens, past the model's max_position_embeddings {model.max_position_embeddings}")
+        notes.append(
+            f"conversations reach {context} tokens, past the model's max_position_embeddings {model.max_position_embeddings}"
+        )
     print(machine.line())
     print(model.line())
     print(
@@ -269,6 +298,17 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[RunSummary] = []
     configs = ["external"] if args.endpoint else list(args.configs)
+    peer_model = ""
+    if args.peer_url:
+        try:
+            peer_model = args.peer_model or served_model(args.peer_url.rstrip("/"))
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            print(
+                f"himamba bench multiturn: --peer-url {args.peer_url}: no model listed at /v1/models ({e})",
+                file=sys.stderr,
+            )
+            return 2
+        _log(f"peer: {args.peer_url} serving {peer_model!r}")
     has_storage = not args.endpoint and storage_supported()
     if "storage" in configs and not has_storage:
         skipped["storage"] = f"this server has no {_STORAGE_FLAG} flag yet (storage tier not built)"
@@ -277,22 +317,40 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="himamba-bench-") as work:
         for config in configs:
             if config == "external":
-                rows += _run_rates(config, args.endpoint, args, spec, token_pool, rates)
+                rows += _run_rates(config, functools.partial(ZmqTurns, args.endpoint), args, spec, token_pool, rates)
                 continue
             flags = [*common, *config_flags(config, Path(work) / "storage", has_storage), *server_args]
+            port = free_port() if args.peer_url else 0
+            if port:
+                flags += ["--port", str(port)]
             _log(f"{config}: starting a server (himamba serve {' '.join(flags)})")
             t0 = time.monotonic()
             server: ServerProcess | None = None
             try:
                 server = start_server(model_dir, out_dir / "logs", *flags, ready_timeout_s=600)
                 _log(f"{config}: ready in {time.monotonic() - t0:.0f}s")
-                rows += _run_rates(config, server.endpoint, args, spec, token_pool, rates)
-            except (RuntimeError, TimeoutError) as e:
+                if port:
+                    url = f"http://127.0.0.1:{port}"
+                    ours = served_model(url)
+                    rows += _run_rates(config, functools.partial(OpenAITurns, url, ours), args, spec, token_pool, rates)
+                else:
+                    zmq_turns = functools.partial(ZmqTurns, server.endpoint)
+                    rows += _run_rates(config, zmq_turns, args, spec, token_pool, rates)
+            except (RuntimeError, TimeoutError, OSError) as e:
                 skipped[config] = f"server failed: {str(e)[-600:]}"
                 _log(f"{config}: {skipped[config]}")
             finally:
                 if server is not None:
                     server.stop()
+        if args.peer_url:
+            _log(f"{PEER}: {args.peer_url}")
+            try:
+                rows += _run_rates(
+                    PEER, functools.partial(OpenAITurns, args.peer_url, peer_model), args, spec, token_pool, rates
+                )
+            except RuntimeError as e:
+                skipped[PEER] = str(e)[-600:]
+                _log(f"{PEER}: {skipped[PEER]}")
 
     add_ratios_vs_none(rows)
     print()
@@ -300,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     goals = goal_lines(rows)
     for line in goals:
         print(line)
+    comparison = peer_comparison(rows, PEER) if args.peer_url else []
+    if comparison:
+        print()
+        print(peer_table(comparison, args.peer_url))
     limit = None
     limits: list[str] = []
     if args.device == "cpu":
@@ -335,6 +397,14 @@ def main(argv: list[str] | None = None) -> int:
         "configs": {c: config_flags(c, Path("<tmp>/storage"), has_storage) for c in configs if c in CONFIGS},
         "skipped": skipped,
         "results": [r.to_json() for r in rows],
+        "peer": {
+            "url": args.peer_url,
+            "model": peer_model,
+            "client": "OpenAI /v1/completions over HTTP, streamed, for every row",
+            "comparison": comparison,
+        }
+        if args.peer_url
+        else None,
         "goal": goals,
         "ttft_limit": {**limit._asdict(), "lines": limits} if limit is not None else None,
         "plot": "multiturn.png" if outcome.written else None,

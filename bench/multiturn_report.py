@@ -1,10 +1,12 @@
-"""How `himamba bench multiturn` shows its results: two tables, a JSON file and a PNG plot."""
+"""How `himamba bench multiturn` shows its results: two tables (three against a peer), a JSON file and
+a PNG plot."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from himamba.bench.latency_summary import RunSummary
 from himamba.bench.report_files import PlotOutcome, no_matplotlib, open_pyplot, save_figure
@@ -58,6 +60,55 @@ def format_tables(rows: Sequence[RunSummary]) -> str:
         "throughput gain (this / none)"
     )
     return "\n".join([*lat, "", *cache, legend])
+
+
+_VERSUS = ("ttft_p50_s", "ttft_p99_s", "input_tokens_per_s", "output_tokens_per_s")
+
+
+def peer_comparison(rows: Sequence[RunSummary], peer: str) -> list[dict[str, Any]]:
+    """Each of our rows beside the peer's at the same request rate: the four figures of both, and
+    the peer's TTFT over ours (above 1: ours answers first) and our throughput over the peer's."""
+    theirs = {r.request_rate: r for r in rows if r.config == peer}
+    out = []
+    for row in rows:
+        ref = theirs.get(row.request_rate)
+        if row.config == peer or ref is None:
+            continue
+        entry: dict[str, Any] = {"config": row.config, "request_rate": _rate(row.request_rate)}
+        for key in _VERSUS:
+            entry[key] = getattr(row, key)
+            entry[f"peer_{key}"] = getattr(ref, key)
+        for key in ("ttft_p50_s", "ttft_p99_s"):
+            mine, other = getattr(row, key), getattr(ref, key)
+            entry[key.removesuffix("_s") + "_speedup"] = other / mine if mine and other else None
+        for key in ("input_tokens_per_s", "output_tokens_per_s"):
+            mine, other = getattr(row, key), getattr(ref, key)
+            entry[key.removesuffix("_per_s") + "_throughput_gain"] = mine / other if other else None
+        out.append(entry)
+    return out
+
+
+def _pair(entry: dict[str, Any], key: str, fmt: str, scale: float = 1.0) -> str:
+    mine, other = (entry[key], entry[f"peer_{key}"])
+    return " / ".join(f"{'-' if v is None else format(v * scale, fmt):>7}" for v in (mine, other))
+
+
+def peer_table(comparison: Sequence[dict[str, Any]], peer_url: str) -> str:
+    """The comparison as a table: ours / the peer's per figure, and the ratio."""
+    head = (
+        f"{'config':<8} {'rate':>5} | {'ttft p50 ms':>17} {'':>6} | {'ttft p99 ms':>17} {'':>6} | "
+        f"{'in tok/s':>17} {'':>6} | {'out tok/s':>17} {'':>6}"
+    )
+    lines = [f"ours vs the peer at {peer_url} (same conversations, same HTTP client)", head]
+    for e in comparison:
+        lines.append(
+            f"{e['config']:<8} {e['request_rate']:>5} | {_pair(e, 'ttft_p50_s', '.1f', 1000)} "
+            f"{_x(e['ttft_p50_speedup']):>6} | {_pair(e, 'ttft_p99_s', '.1f', 1000)} {_x(e['ttft_p99_speedup']):>6} | "
+            f"{_pair(e, 'input_tokens_per_s', '.0f')} {_x(e['input_tokens_throughput_gain']):>6} | "
+            f"{_pair(e, 'output_tokens_per_s', '.1f')} {_x(e['output_tokens_throughput_gain']):>6}"
+        )
+    lines.append("ours / peer; TTFT ratio = peer / ours, throughput ratio = ours / peer (above 1.00x: ours is ahead)")
+    return "\n".join(lines)
 
 
 def goal_lines(rows: Sequence[RunSummary], min_context: int = 2048) -> list[str]:
@@ -133,7 +184,9 @@ def plot(path: Path, rows: Sequence[RunSummary], title: str) -> PlotOutcome:
         by = {r.config: r for r in rows}
         w = 0.38
         ax_ttft.bar([x - w / 2 for x in xs], [_ms_or_nan(by[c].ttft_p50_s) for c in configs], w, label="TTFT p50")
-        ax_ttft.bar([x + w / 2 for x in xs], [_ms_or_nan(by[c].late_ttft_p50_s) for c in configs], w, label="turn 3+ p50")
+        ax_ttft.bar(
+            [x + w / 2 for x in xs], [_ms_or_nan(by[c].late_ttft_p50_s) for c in configs], w, label="turn 3+ p50"
+        )
         ax_tput.bar([x - w / 2 for x in xs], [by[c].output_tokens_per_s for c in configs], w, label="output")
         ax_tput.bar([x + w / 2 for x in xs], [by[c].input_tokens_per_s / 100 for c in configs], w, label="input / 100")
         for ax in (ax_ttft, ax_tput):
