@@ -139,9 +139,10 @@ def start_server(
         args += ["--port", "0"]
     log_dir.mkdir(parents=True, exist_ok=True)
     scratch = None
-    if "--hicache-storage-dir" not in flags:
-        # A fresh storage tier per server (runs must not see each other's stored prefixes), as
-        # scratch data in the temp directory, removed at stop: never left beside a run's results.
+    if _flag_value(flags, "--hicache-storage-backend") == "file" and "--hicache-storage-dir" not in flags:
+        # A file tier asked for without a place: a fresh one per server (runs must not see each other's
+        # stored prefixes), as scratch data in the temp directory, removed at stop: never left beside a
+        # run's results. Without the flag there is no disk tier (it is opt-in).
         scratch = Path(tempfile.mkdtemp(prefix="himamba-storage-"))
         args += ["--hicache-storage-dir", str(scratch)]
     args += list(flags)

@@ -300,10 +300,22 @@ class CacheConfig(_Section):
         ),
     ] = "free"
     # The storage tier (L3): where host pages are backed up and prefetched from.
+    # Off unless asked (as in vLLM and sglang, nothing is written to disk by default); a directory
+    # given with no other backend asks for the file backend (see `load`).
     hicache_storage_backend: Annotated[
-        Literal["none", "file", "mooncake", "redis"], doc("The storage tier (L3) behind the host pools.")
-    ] = "file"
-    hicache_storage_dir: Annotated[str, doc('The file backend\'s directory; "": $XDG_CACHE_HOME/himamba/storage.')] = ""
+        Literal["none", "file", "mooncake", "redis"],
+        doc(
+            "The storage tier (L3) behind the host pools; off by default. A --hicache-storage-dir turns the "
+            "file backend on."
+        ),
+    ] = "none"
+    hicache_storage_dir: Annotated[
+        str,
+        doc(
+            'The file backend\'s directory (giving one turns the file backend on); "": '
+            "$XDG_CACHE_HOME/himamba/storage."
+        ),
+    ] = ""
     hicache_storage_max_bytes: Annotated[
         NonNegInt,
         doc("The file backend's size cap in bytes, over its whole directory; 0: a tenth of the free space at start."),
@@ -532,6 +544,9 @@ def load(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | 
         raw = msgspec.json.decode(data) if is_json else tomllib.loads(data.decode("utf-8"))
     for section, fields in (overrides or {}).items():
         raw.setdefault(section, {}).update(fields)
+    cache = raw.get("cache")
+    if isinstance(cache, dict) and cache.get("hicache_storage_dir") and cache.get("hicache_storage_backend") in (None, "none"):
+        cache["hicache_storage_backend"] = "file"  # a directory is the opt-in to the disk tier
     try:
         cfg = msgspec.convert(raw, Config)
     except msgspec.ValidationError as e:

@@ -153,6 +153,7 @@ class Launcher:
         http = self.cfg.http
         if http.port:
             print(f"  OpenAI-compatible API at http://{http.host}:{http.port}/v1 (metrics at /metrics, health at /health)", flush=True)
+        print(f"  {storage_line(self.cfg)}", flush=True)
 
     def _supervise(self) -> int:
         while True:
@@ -214,6 +215,22 @@ class Launcher:
         self.log.warning("%s (pid %d) did not stop in time; killing it", c.name, c.proc.pid)
         c.proc.kill()
         c.proc.wait()
+
+
+def storage_line(cfg: Config) -> str:
+    """The banner's line on the disk tier: off by default, so say how to turn it on."""
+    cache = cfg.cache
+    if not cache.enable_hierarchical_cache or cache.hicache_storage_backend == "none":
+        return (
+            "storage tier (disk) off: --hicache-storage-backend file (or --hicache-storage-dir DIR) keeps "
+            "cached prefixes across restarts"
+        )
+    if cache.hicache_storage_backend == "file":
+        from himamba.services.cache.storage.file import default_storage_dir
+
+        where = cache.hicache_storage_dir or str(default_storage_dir())
+        return f"storage tier on: file backend in {where}"
+    return f"storage tier on: {cache.hicache_storage_backend} backend"
 
 
 def _feed(fd: int, data: bytes) -> None:

@@ -40,7 +40,7 @@ class Rig:
 
     def __init__(self, store, *, host_pages=64, host_slots=16, backend=None, **cfg):
         cfg.setdefault("prefetch_threshold", 2 * PS)
-        self.ctrl = CacheController(CacheConfig(page_size=PS, **cfg), 64, 16, host_pages, host_slots)
+        self.ctrl = CacheController(CacheConfig(page_size=PS, hicache_storage_backend="file", **cfg), 64, 16, host_pages, host_slots)
         self.dev_kv = torch.zeros(64, PAGE_BYTES, dtype=torch.uint8)
         self.dev_state = torch.zeros(16, SLOT_BYTES, dtype=torch.uint8)
         self.host_kv = torch.zeros(host_pages, PAGE_BYTES, dtype=torch.uint8)

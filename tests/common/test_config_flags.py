@@ -220,3 +220,19 @@ def test_conflicting_spellings_are_refused():
 def test_no_abbreviations():
     with pytest.raises(SystemExit):
         _serve_parser().parse_args(["--tok", "x"])
+
+
+def test_the_disk_tier_is_off_unless_a_backend_or_a_directory_asks_for_it(tmp_path):
+    from himamba.services.launch import storage_line
+
+    assert _parse([]).cache.hicache_storage_backend == "none"
+    assert "--hicache-storage-backend file" in storage_line(_parse([]))  # the banner says how to turn it on
+    by_dir = _parse(["--hicache-storage-dir", str(tmp_path)])
+    assert by_dir.cache.hicache_storage_backend == "file"
+    assert storage_line(by_dir) == f"storage tier on: file backend in {tmp_path}"
+    assert _parse(["--hicache-storage-backend", "file"]).cache.hicache_storage_backend == "file"
+    remote = ["--hicache-storage-backend", "redis", "--hicache-storage-dir", str(tmp_path)]
+    assert _parse(remote).cache.hicache_storage_backend == "redis"  # a directory never overrides a remote store
+    toml = tmp_path / "c.toml"
+    toml.write_text(f'[cache]\nhicache_storage_dir = "{tmp_path}"\n')
+    assert config_from_args(argparse.Namespace(config=str(toml))).cache.hicache_storage_backend == "file"

@@ -85,7 +85,7 @@ def test_after_every_value_is_corrupted_prefetch_keeps_trying_and_hits_resume(
     store_dir = tmp_path / "store"
     redis_store = None
     if kind == "file":
-        store_flags: tuple[str, ...] = ("--hicache-storage-dir", str(store_dir))
+        store_flags: tuple[str, ...] = ("--hicache-storage-backend", "file", "--hicache-storage-dir", str(store_dir))
     else:
         from himamba.services.cache.storage.local_stores import LocalRedis
 

@@ -1,4 +1,4 @@
-"""A default server (the file storage tier, its default directory and cap) reports the storage tier
+"""A server with the file storage tier asked for (its default directory and cap) reports the storage tier
 as up, with a non-zero capacity, and its use once something is backed up."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def default_live(tmp_path_factory: pytest.TempPathFactory, start_live_server_fn:
     mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg")))  # the default directory, kept apart
     server = start_live_server_fn(
         demo_checkpoint, tmp_path_factory.mktemp("logs"), "--report-interval-s", str(REPORT_INTERVAL_S),
-        "--hicache-storage-dir", "",
+        "--hicache-storage-backend", "file", "--hicache-storage-dir", "",
     )
     try:
         yield server
@@ -37,7 +37,7 @@ def _sample(text: str, name: str, **labels: str) -> float:
     return float("nan")
 
 
-def test_a_default_server_reports_storage_up_with_its_capacity_and_use(default_live: Any):
+def test_a_file_tier_server_reports_storage_up_with_its_capacity_and_use(default_live: Any):
     default_live.post_json(
         "/v1/completions",
         {"prompt": "".join(f"value_{i} = compute({i})\n" for i in range(30)), "max_tokens": 2, "temperature": 0},

@@ -54,7 +54,9 @@ def test_clean_start_warns_of_nothing_but_random_weights_and_says_what_it_runs(l
     log = live.log()
     warnings = [line for line in log.splitlines() if " WARNING " in line or " ERROR " in line]
     assert len(warnings) == 1 and "RANDOM WEIGHTS" in warnings[0], warnings
-    assert log.count("storage tier on: file backend") == 1
+    # The disk tier is opt-in: nothing is written to disk, and the banner says how to turn it on.
+    assert "storage tier on" not in log
+    assert "storage tier (disk) off: --hicache-storage-backend file" in log
     assert re.search(r"dtype float32 \(--dtype auto on cpu", log)
     assert KEY not in log  # the key is not logged
 
