@@ -316,6 +316,13 @@ class CacheConfig(_Section):
             "$XDG_CACHE_HOME/himamba/storage."
         ),
     ] = ""
+    hicache_storage_group: Annotated[
+        str,
+        doc(
+            "A group that may read the file backend's values (files 0640, directories 0750, given to that "
+            'group); "": the server\'s user alone (0600, 0700).'
+        ),
+    ] = ""
     hicache_storage_max_bytes: Annotated[
         NonNegInt,
         doc("The file backend's size cap in bytes, over its whole directory; 0: a tenth of the free space at start."),

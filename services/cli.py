@@ -74,6 +74,13 @@ def resolve_model(cfg: Config) -> Resolved:
         load_generation_defaults(generation_config, path)
     except ValueError as e:
         raise ConfigError(f"{field_name('model', 'generation_config')}: {e}") from None
+    if cfg.cache.hicache_storage_group and cfg.cache.hicache_storage_backend == "file":
+        from himamba.services.cache.storage.file_modes import resolve_group
+
+        try:  # checked here, not when the cache service opens the tier (that would only turn it off)
+            resolve_group(cfg.cache.hicache_storage_group)
+        except ValueError as e:
+            raise ConfigError(f"{field_name('cache', 'hicache_storage_group')}: {e}") from None
     try:
         parse_origins(cfg.http.allowed_origins)
     except ValueError as e:

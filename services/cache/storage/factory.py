@@ -36,13 +36,14 @@ def open_backend(
     directory: Path | None = None,
     max_bytes: int = 0,
     url: str = "",
+    group: str = "",
     mooncake_metadata_server: str = "",
     mooncake_protocol: Literal["tcp", "rdma"] = "tcp",
 ) -> StorageBackend | None:
     """Open the backend called `name` for one model; None for "none" (no storage tier).
 
     file: `directory` (default under the user's cache dir) and `max_bytes` (0: the default cap,
-    `DEFAULT_CAP_FRACTION` of the filesystem's free space at start, logged).
+    `DEFAULT_CAP_FRACTION` of the filesystem's free space at start, logged); `group` may read it.
     redis: `url` redis://host:port/db (default redis://127.0.0.1:6379/0).
     mooncake: `url` is the master's host:port (default 127.0.0.1:50051), with
     `mooncake_metadata_server` (default: the master's embedded one, http://<host>:8080/metadata)
@@ -60,7 +61,7 @@ def open_backend(
                 "set --hicache-storage-max-bytes to choose", max_bytes / 1e9, round(DEFAULT_CAP_FRACTION * 100),
                 free / 1e9, root,
             )
-        return FileBackend(fingerprint, directory, max_bytes=max_bytes)
+        return FileBackend(fingerprint, directory, max_bytes=max_bytes, group=group)
     if name == "redis":
         try:
             from himamba.services.cache.storage.redis_backend import DEFAULT_REDIS_URL, RedisBackend
@@ -97,6 +98,7 @@ def open_configured_backend(cache: CacheConfig, fingerprint: bytes) -> StorageBa
         directory=Path(cache.hicache_storage_dir) if cache.hicache_storage_dir else None,
         max_bytes=cache.hicache_storage_max_bytes,
         url=cache.hicache_storage_url,
+        group=cache.hicache_storage_group,
         mooncake_metadata_server=cache.mooncake_metadata_server,
         mooncake_protocol=cache.mooncake_protocol,
     )

@@ -49,6 +49,7 @@ from himamba.services.cache.storage.base import (
     ValueKind,
     check_batch,
 )
+from himamba.services.cache.storage.file_modes import storage_modes
 
 __all__ = ["DEFAULT_CAP_FRACTION", "FileBackend", "default_cap", "default_storage_dir", "filesystem_free_bytes"]
 
@@ -107,7 +108,8 @@ class FileBackend(StorageBackend):
 
     `max_bytes` caps the directory (0: no cap here; `open_backend` applies the default); `fsync`
     makes each batch durable before it is acknowledged (off by default: a value lost in a crash is
-    only a cache miss, and a torn one is caught by its checksum)."""
+    only a cache miss, and a torn one is caught by its checksum). What it creates is its user's
+    alone (0600), or also readable by `group` (0640; file_modes.py); an unusable group is a ValueError."""
 
     name = "file"
 
@@ -122,8 +124,10 @@ class FileBackend(StorageBackend):
         segment_bytes: int = 0,
         rescan_s: float = 0.5,
         touch_interval_s: float = 1.0,
+        group: str = "",
     ) -> None:
         super().__init__(fingerprint)
+        self.modes = storage_modes(group)
         if max_bytes < 0:
             raise ValueError(f"max_bytes: must be >= 0, got {max_bytes}")
         if not 0.0 < low_watermark <= 1.0:
@@ -157,16 +161,18 @@ class FileBackend(StorageBackend):
         self._closed = False
         self._usage_fd: int | None = None  # the directory's shared byte count (None: count alone)
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.modes.make_dirs(self.dir)
         except OSError as e:
             self._log_once("mkdir", f"storage dir {self.dir} unusable, every write will be refused: {e}")
         self._rescan(force=True)
         if max_bytes:
             try:
-                self._usage_fd = os.open(os.path.join(self.dir, "usage"), os.O_RDWR | os.O_CREAT, 0o644)
+                self._usage_fd = os.open(os.path.join(self.dir, "usage"), os.O_RDWR | os.O_CREAT, self.modes.file)
             except OSError:
                 pass  # a read-only store writes nothing anyway
             else:
+                if os.fstat(self._usage_fd).st_uid == os.geteuid():
+                    self.modes.apply_fd(self._usage_fd)
                 with self._lock, self._shared():
                     self._set_shared(self._used)  # a fresh count corrects what a dead server left
 
@@ -556,10 +562,16 @@ class FileBackend(StorageBackend):
             name = f"{self._tag}-{self._seq:06d}{_SEG}"
             path = os.path.join(self.dir, name)
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.modes.file)
             except FileNotFoundError:
-                os.makedirs(self.dir, exist_ok=True)  # the directory was removed under us
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                self.modes.make_dirs(self.dir)  # the directory was removed under us
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.modes.file)
+            try:
+                self.modes.apply_fd(fd)
+            except OSError:
+                os.close(fd)
+                os.unlink(path)
+                raise
             seg = _Segment(name, path, own=True)
             with self._lock:
                 self._segments[name] = seg
