@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from tokenizers import Tokenizer
@@ -13,7 +14,7 @@ from himamba.common.types import SamplingParams
 # (tokenizing runs on the front door's event loop): no tokenizer packs more into a token.
 MAX_CHARS_PER_TOKEN = 32
 # Logprob entries (a token and each of its alternatives) one request's replies may carry in all,
-# over its n samples: each is about 70 bytes of JSON, built on the front door's event loop. Turn 3
+# over its n samples and its batched prompts: each is about 70 bytes of JSON, built on the front door's event loop. Turn 3
 # sent prompt_logprobs 20 x n 16 x 4,000 prompt tokens (1.3M entries): a 95 MB reply, 3.7 s of loop.
 MAX_LOGPROB_ENTRIES = 200_000
 
@@ -78,26 +79,58 @@ def prepare_request(req: GenerateRequest, tokenizer: Tokenizer, limits: RequestL
         raise ValueError(
             f"prompt has {prompt_len} tokens; max_context_len {limits.max_context_len} leaves no room to generate"
         )
-    # Left out: the server's default, else (0) all the room the context has left, as vLLM.
-    wanted = sampling.max_tokens if sampling.max_tokens is not None else limits.default_max_tokens
-    wanted = wanted or limits.max_context_len
-    max_tokens = min(wanted, limits.max_context_len - prompt_len)
-    _bound_logprobs(sampling, prompt_len, max_tokens)
+    max_tokens = resolve_max_tokens(sampling, prompt_len, limits)
+    entries = logprob_entries(sampling, prompt_len, max_tokens)
+    if entries.total > MAX_LOGPROB_ENTRIES:
+        raise ValueError(
+            f"the reply would carry {entries.total} logprob entries ({entries.product}), "
+            f"more than {MAX_LOGPROB_ENTRIES}: ask for fewer alternatives, samples or tokens"
+        )
     return PreparedRequest(input_ids, max_tokens, req.prompt is not None)
 
 
-def _bound_logprobs(sampling: SamplingParams, prompt_len: int, max_tokens: int) -> None:
-    """ValueError naming the product when the logprobs asked for exceed MAX_LOGPROB_ENTRIES."""
+def resolve_max_tokens(sampling: SamplingParams, prompt_len: int, limits: RequestLimits) -> int:
+    """The token budget of a prompt of `prompt_len` tokens: what it asks for, else the server's
+    default, else (0) all the room the context has left, as vLLM; never past the context."""
+    wanted = sampling.max_tokens if sampling.max_tokens is not None else limits.default_max_tokens
+    wanted = wanted or limits.max_context_len
+    return min(wanted, limits.max_context_len - prompt_len)
+
+
+class LogprobEntries(NamedTuple):
+    """How many logprob entries one prompt's replies may carry, over its n samples, and the
+    product that gives them (for the message that refuses it)."""
+
+    total: int
+    product: str
+
+
+def logprob_entries(sampling: SamplingParams, prompt_len: int, max_tokens: int) -> LogprobEntries:
+    """The prompt's logprobs (every token after the first, in each sample's reply; echo with
+    logprobs asks for them too) and the sampled tokens' (by the budget they may reach), times n."""
     parts: list[str] = []
     total = 0
-    if sampling.prompt_logprobs is not None:  # every prompt token after the first, in each sample's reply
+    if sampling.prompt_logprobs is not None:
         total += (prompt_len - 1) * (sampling.prompt_logprobs + 1) * sampling.n
         parts.append(f"prompt_logprobs: {prompt_len - 1} tokens x {sampling.prompt_logprobs + 1}")
     if sampling.logprobs:
         total += max_tokens * (sampling.top_logprobs + 1) * sampling.n
         parts.append(f"logprobs: max_tokens {max_tokens} x {sampling.top_logprobs + 1}")
+    return LogprobEntries(total, f"{' + '.join(parts)}, each times n {sampling.n}" if parts else "none")
+
+
+def check_batch_reply_size(sampling: SamplingParams, prompt_lens: Sequence[int], limits: RequestLimits) -> None:
+    """ValueError naming the sum when a batch of prompts (one request each, one reply) would carry
+    more than MAX_LOGPROB_ENTRIES logprob entries in all: each prompt may be under the bound alone
+    (an lm-eval batch of 64 x 1,000 tokens with echo and logprobs 5 was a 22.8 MB reply)."""
+    if sampling.prompt_logprobs is None and not sampling.logprobs:
+        return
+    per_prompt = [logprob_entries(sampling, n, resolve_max_tokens(sampling, n, limits)) for n in prompt_lens]
+    total = sum(e.total for e in per_prompt)
     if total > MAX_LOGPROB_ENTRIES:
+        biggest = max(per_prompt, key=lambda e: e.total)
         raise ValueError(
-            f"the reply would carry {total} logprob entries ({' + '.join(parts)}, each times n {sampling.n}), "
-            f"more than {MAX_LOGPROB_ENTRIES}: ask for fewer alternatives, samples or tokens"
+            f"the reply to these {len(prompt_lens)} prompts would carry {total} logprob entries in all (the "
+            f"largest prompt's: {biggest.product}), more than {MAX_LOGPROB_ENTRIES}: send fewer prompts per "
+            "request, or ask for fewer alternatives, samples or tokens"
         )

@@ -22,6 +22,7 @@ import resource
 import time
 import traceback
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,12 @@ from himamba.services.tokenizer.loader import LoadedTokenizer, load_tokenizer
 from himamba.services.tokenizer.local_clients import LocalClients, ReplyStream
 from himamba.services.tokenizer.output import RequestOutput
 from himamba.services.tokenizer.peers import PEERS, PeerTable, Readiness
-from himamba.services.tokenizer.prepare import MAX_CHARS_PER_TOKEN, RequestLimits, prepare_request
+from himamba.services.tokenizer.prepare import (
+    MAX_CHARS_PER_TOKEN,
+    RequestLimits,
+    check_batch_reply_size,
+    prepare_request,
+)
 from himamba.services.tokenizer.request_metrics import RequestClock, RequestMetrics
 from himamba.services.tokenizer.requests import RequestEntry, RequestTable, internal_rid
 from himamba.services.tokenizer.samples import sample_requests
@@ -479,6 +485,32 @@ class TokenizerService(Actor[ToTokenizer]):
                 await self._send_scheduler(AbortRequest(rid=entry.rid))
             await self._reply(identity, ErrorReply(message="internal error (see the server log)", rid=rid, code=500))
 
+    def _limits(self) -> RequestLimits:
+        # --default-max-tokens when set, else generation_config.json's max_new_tokens, else (0) the context.
+        default_max_tokens = self.cfg.scheduler.default_max_tokens or self.sampling_defaults.max_tokens or 0
+        return RequestLimits(
+            self._vocab_size, self.cfg.model.max_context_len, default_max_tokens, self.cfg.model.max_logprobs
+        )
+
+    def check_batch_reply_size(self, reqs: Sequence[GenerateRequest]) -> None:
+        """ValueError naming the sum when batched prompts (same sampling) would reply with more
+        logprob entries in all than one request may; before any of them is queued. Text prompts
+        are tokenized for it only when logprobs are asked for (each is tokenized again when
+        prepared); a prompt each request would refuse anyway counts nothing here."""
+        sampling = reqs[0].sampling
+        if self._loaded is None or (sampling.prompt_logprobs is None and not sampling.logprobs):
+            return
+        limits = self._limits()
+        most_chars = MAX_CHARS_PER_TOKEN * limits.max_context_len
+        texts = [r.prompt for r in reqs if r.prompt and len(r.prompt) <= most_chars]
+        text_lens = iter(len(e.ids) for e in self._loaded.tokenizer.encode_batch(texts, add_special_tokens=True))
+        lens = []
+        for r in reqs:
+            n = len(r.input_ids or []) if r.prompt is None else (next(text_lens) if 0 < len(r.prompt) <= most_chars else 0)
+            if 0 < n < limits.max_context_len:
+                lens.append(n)
+        check_batch_reply_size(sampling, lens, limits)
+
     async def check_grammar(self, spec: GrammarSpec) -> None:
         """ValueError ("grammar: why") when `spec` does not build for this model (cached)."""
         await self._grammars.check(spec)
@@ -541,12 +573,8 @@ class TokenizerService(Actor[ToTokenizer]):
             await self._reply(identity, error)
             return
         # --default-max-tokens when set, else generation_config.json's max_new_tokens, else (0) the context.
-        default_max_tokens = self.cfg.scheduler.default_max_tokens or self.sampling_defaults.max_tokens or 0
-        limits = RequestLimits(
-            self._vocab_size, self.cfg.model.max_context_len, default_max_tokens, self.cfg.model.max_logprobs
-        )
         try:
-            prepared = prepare_request(req, self._loaded.tokenizer, limits)
+            prepared = prepare_request(req, self._loaded.tokenizer, self._limits())
             self._check_samples_fit(req.sampling.n)
             if req.sampling.grammar is not None:
                 await self._grammars.check(req.sampling.grammar)  # off the loop; a 400 before queueing

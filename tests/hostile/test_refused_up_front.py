@@ -107,3 +107,15 @@ def test_a_gzip_body_that_does_not_decompress_is_a_400(hostile: Hostile) -> None
     assert r.status == 400, (r.status, r.body[:300])
     assert "gzip" in r.json()["error"]["message"], r.body[:300]
     _still_serves(hostile)
+
+
+def test_replies_over_the_logprob_bound_are_a_400_alone_and_batched(hostile: Hostile) -> None:
+    """Turn 3's N5 (prompt_logprobs 20 x n 16 on a long prompt: a 95 MB reply) and turn 4's batch (64
+    prompts x 1,000 tokens with echo and logprobs 5, each prompt under the bound: 22.8 MB), at this
+    server's context: both refused before they run, naming the product."""
+    long_ids = [3 + (i * 7) % 997 for i in range(1000)]
+    alone = {"prompt": long_ids, "max_tokens": 1, "prompt_logprobs": 20, "n": 16, "temperature": 1}
+    _refused(hostile, alone, "prompt_logprobs: 999 tokens x 21, each times n 16", path="/v1/completions")
+    batch = {"prompt": [[4 + i, *long_ids[1:]] for i in range(64)], "max_tokens": 1, "echo": True, "logprobs": 5}
+    _refused(hostile, batch, "these 64 prompts would carry 384000 logprob entries in all", path="/v1/completions")
+    _still_serves(hostile)

@@ -437,3 +437,36 @@ def test_logit_bias_reaches_the_engine_as_token_ids(harness: Harness):
     body = {"text": "bias-sgl", "sampling_params": {"max_new_tokens": 1, "logit_bias": {"4": -1}}}
     assert harness.post("/generate", body).status == 200
     assert _add_for(harness, harness.tokenizer.encode("bias-sgl").ids).sampling.logit_bias == {4: -1.0}
+
+
+def test_a_batch_whose_replies_add_up_past_the_logprob_bound_is_refused_before_any_prompt_runs(harness: Harness):
+    """Each prompt alone is far under the bound; the batch's one reply is not (an lm-eval batch of
+    64 x 1,000 tokens with echo and logprobs 5 was a 22.8 MB reply). Nothing of it is queued."""
+    from himamba.services.tokenizer.prepare import MAX_LOGPROB_ENTRIES
+
+    def batch(marker: int, count: int) -> list[list[int]]:
+        return [[marker, i + 10, *([5] * 58)] for i in range(count)]  # 60 tokens each: 59 x 21 entries
+
+    big = batch(901, 200)  # 200 x 59 x 21 = 247,800 entries in all; one prompt: 1,239
+    assert 200 * 59 * 21 > MAX_LOGPROB_ENTRIES > 59 * 21
+    body = {"prompt": big, "max_tokens": 1, "echo": True, "logprobs": 20, "temperature": 0}
+    r = harness.post("/v1/completions", body)
+    assert r.status == 400, r.body
+    err = r.json()["error"]
+    assert err["param"] == "prompt"
+    assert "these 200 prompts would carry 252000 logprob entries in all" in err["message"]  # + 200 x 1 x 21 sampled
+    assert "prompt_logprobs: 59 tokens x 21" in err["message"] and str(MAX_LOGPROB_ENTRIES) in err["message"]
+    # Text prompts count by their tokens.
+    text = "alpha beta gamma delta " * 3
+    n_text = len(harness.tokenizer.encode(text).ids)
+    count = MAX_LOGPROB_ENTRIES // ((n_text - 1) * 21 + 21) + 1
+    text_body = {**body, "prompt": [f"{i} {text}" for i in range(count)]}
+    assert harness.post("/v1/completions", text_body).status == 400
+    # A batch sent after them is served (the fake model has no prompt logprobs: none asked): the
+    # refused prompts never reached the scheduler.
+    small = batch(902, 2)
+    ok = harness.post("/v1/completions", {"prompt": small, "max_tokens": 1, "temperature": 0})
+    assert ok.status == 200, ok.body
+    for ids in small:
+        _add_for(harness, ids)
+    assert not [a for a in harness.scheduler.adds() if a.input_ids[0] == 901]

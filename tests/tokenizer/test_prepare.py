@@ -96,3 +96,20 @@ def test_a_reply_of_more_logprob_entries_than_the_limit_is_refused_with_the_numb
     prepare_request(GenerateRequest(input_ids=[1] * 4000, sampling=ok), demo_tokenizer, limits)
     edge = SamplingParams(max_tokens=MAX_LOGPROB_ENTRIES // 2, logprobs=True, top_logprobs=1)
     prepare_request(GenerateRequest(input_ids=[1, 2], sampling=edge), demo_tokenizer, RequestLimits(2048, 10**6, 0))
+
+
+def test_a_batch_is_bounded_by_the_sum_of_its_prompts_logprob_entries() -> None:
+    from himamba.services.tokenizer.prepare import MAX_LOGPROB_ENTRIES, check_batch_reply_size
+
+    limits = RequestLimits(vocab_size=2048, max_context_len=4096, default_max_tokens=16)
+    # Turn 4: an lm-eval batch of 64 x 1,000-token prompts, echo and logprobs 5: 22.8 MB in one reply.
+    echo = SamplingParams(max_tokens=1, temperature=0.0, logprobs=True, top_logprobs=5, prompt_logprobs=5)
+    with pytest.raises(ValueError, match=r"these 64 prompts would carry 384000 logprob entries in all"):
+        check_batch_reply_size(echo, [1000] * 64, limits)  # 64 x (999 x 6 + 1 x 6)
+    check_batch_reply_size(echo, [1000] * (MAX_LOGPROB_ENTRIES // 6000), limits)  # up to the bound: served
+    # max_tokens left out counts by the server's default (16 here), as each prompt alone does.
+    sampled = SamplingParams(temperature=1.0, logprobs=True, top_logprobs=20)
+    check_batch_reply_size(sampled, [10] * 256, limits)  # 256 x 16 x 21 = 86,016
+    with pytest.raises(ValueError, match="max_tokens 4086 x 21"):
+        check_batch_reply_size(sampled, [10] * 3, RequestLimits(2048, 4096, 0))  # the context: 3 x 4,086 x 21
+    check_batch_reply_size(SamplingParams(max_tokens=4000), [4000] * 256, limits)  # no logprobs: nothing to bound

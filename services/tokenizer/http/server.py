@@ -19,7 +19,7 @@ import logging
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import msgspec
@@ -110,6 +110,11 @@ class FrontDoor(Protocol):
 
     async def check_grammar(self, spec: GrammarSpec) -> None:
         """ValueError when `spec` does not build for this model (off the event loop, cached)."""
+        ...
+
+    def check_batch_reply_size(self, reqs: Sequence[GenerateRequest]) -> None:
+        """ValueError when batched prompts' replies would carry more logprob entries in all than
+        one request may (each prompt alone may be under the bound)."""
         ...
 
 
@@ -333,6 +338,10 @@ class HttpServer:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         if len(reqs) == 1:
             return await self._serve(request, reqs[0], builders[0], include_usage)
+        try:  # before any prompt is queued
+            self.door.check_batch_reply_size(reqs)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="prompt") from None
         batch = BatchedCompletion(reqs, builders, self.door.open_stream, reply_error)
         return await self._serve_batch(request, batch, include_usage)
 
