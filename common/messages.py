@@ -562,6 +562,23 @@ class Shutdown(Message):
     reason: str = ""
 
 
+class Stopped(Message):
+    """A service stopped cleanly after SIGTERM and says, in one clause, what the stop did (the
+    front door: requests finished and aborted; the cache: backups flushed and not); the launcher's
+    final line carries every service's."""
+
+    service: str
+    pid: int
+    summary: str
+
+
+class Draining(Message):
+    """The front door began draining (front door -> cache): the whole stop should be over by
+    `deadline` (time.time()), so the cache's flush of pending backups gets what the drain left."""
+
+    deadline: float
+
+
 # ---------------------------------------------------------------- metrics (services -> tokenizer)
 
 
@@ -585,5 +602,5 @@ ToScheduler = Union[
     AddRequest, AbortRequest, StopRequest, BatchDone, CacheStepDone, PrefetchDone, CacheReset, WorkerInfo, Shutdown
 ]
 ToWorker = Union[RunBatch, ResetState, PrepareGrammar, Hello, Shutdown]
-ToCache = Union[CacheStep, TransfersDone, WorkerInfo, GetCacheStats, FlushCache, Hello, Shutdown]
-ToLauncher = Union[Ready, Fatal]
+ToCache = Union[CacheStep, TransfersDone, WorkerInfo, GetCacheStats, FlushCache, Hello, Draining, Shutdown]
+ToLauncher = Union[Ready, Fatal, Stopped]

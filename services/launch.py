@@ -2,8 +2,9 @@
 then supervise: a child that dies takes the others down (exit code 1, naming it); SIGINT or
 SIGTERM stops them in order (exit code 0): the front door first, which refuses new requests and
 gives those in flight `--shutdown-timeout` to finish (then ends them with a 503), then the back
-end. Each stage has its own grace beyond that (a service is killed only past it), and one final
-line says how the stop went. Each service reads the config from a pipe (it can hold the API key
+end, where the cache flushes pending backups in what is left of that time (the rest is not
+stored). Each stage has its own grace beyond that (a service is killed only past it), and one
+final line says how the stop went: what each service said its stop did, and who was killed. Each service reads the config from a pipe (it can hold the API key
 and a store password: it is never written to disk); a clean stop removes the instance's sockets
 and lock files.
 """
@@ -26,7 +27,7 @@ import msgspec
 import zmq
 
 from himamba.common.config import Config, ConfigError, HttpConfig, encode
-from himamba.common.messages import Fatal, Ready, ToLauncher
+from himamba.common.messages import Fatal, Ready, Stopped, ToLauncher
 from himamba.common.openmp_wait import openmp_wait_env
 from himamba.common.runtime_dir import InstanceLock, remove_runtime_files
 
@@ -184,8 +185,11 @@ class Launcher:
         how = signal.SIGTERM if self._signal is not None else signal.SIGINT
         drain_s = self.cfg.http.shutdown_timeout_s if how == signal.SIGTERM else 0.0
         killed: list[str] = []
-        stages = (({"tokenizer"}, drain_s + SERVICE_STOP_S), ({"cache", "scheduler", "worker"}, SERVICE_STOP_S))
-        for stage, grace in stages:
+        # The back end's grace includes what the drain left of --shutdown-timeout: the cache flushes
+        # pending backups in it.
+        stages = ({"tokenizer"}, {"cache", "scheduler", "worker"})
+        for stage in stages:
+            grace = max(0.0, started + drain_s - time.monotonic()) + SERVICE_STOP_S
             live = [c for c in self.children if c.name in stage and c.proc.poll() is None]
             for c in live:
                 try:
@@ -204,12 +208,23 @@ class Launcher:
                 self._kill(c)
                 killed.append(c.name)
         if self.children:
+            said = self._stop_summaries()
             self.log.info(
-                "stopped in %.1fs: %s exited; killed: %s",
+                "stopped in %.1fs: %s%s exited; killed: %s",
                 time.monotonic() - started,
+                "".join(f"{name}: {summary}; " for name, summary in said),
                 ", ".join(f"{c.name} ({c.proc.returncode})" for c in self.children),
                 ", ".join(killed) or "none",
             )
+
+    def _stop_summaries(self) -> list[tuple[str, str]]:
+        """What the services said their stop did (Stopped), in stop order: they are queued on the
+        control socket by now (every service has exited)."""
+        said: dict[str, str] = {}
+        while (msg := self._poll_control(0)) is not None:
+            if isinstance(msg, Stopped):
+                said[msg.service] = msg.summary
+        return [(name, said[name]) for name in ("tokenizer", "scheduler", "worker", "cache") if name in said]
 
     def _kill(self, c: Child) -> None:
         self.log.warning("%s (pid %d) did not stop in time; killing it", c.name, c.proc.pid)

@@ -6,8 +6,9 @@ import asyncio
 import dataclasses
 import logging
 import os
+import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
@@ -20,12 +21,14 @@ from himamba.common.messages import (
     CacheReset,
     CacheStep,
     CacheStepDone,
+    Draining,
     FlushCache,
     GetCacheStats,
     Hello,
     PrefetchDone,
     Ready,
     Shutdown,
+    Stopped,
     ToCache,
     TransfersDone,
     WorkerInfo,
@@ -58,7 +61,7 @@ from himamba.services.cache.flush import flush_refusal, flushed
 from himamba.services.cache.keys import model_fingerprint
 from himamba.services.cache.storage.factory import open_configured_backend
 from himamba.services.cache.storage.flaky import FlakyBackend
-from himamba.services.cache.storage.io_workers import StorageIO
+from himamba.services.cache.storage.io_workers import IOStats, ShutdownResult, StorageIO
 
 # The backend's own counters (StorageStats fields) behind each storage event label.
 _BACKEND_EVENTS = {
@@ -78,6 +81,19 @@ def storage_pool_bytes(backend: Any) -> dict[str, tuple[int, int]]:
     cap = backend.capacity_bytes
     free = max(0, cap - backend.used_bytes)
     return {kind: (nbytes + free if cap else 0, nbytes) for kind, nbytes in used.items()}
+
+
+# What a flush at shutdown leaves before the stop's deadline: cancelling the rest and joining the
+# running backups' last write.
+FLUSH_MARGIN_S = 0.5
+
+
+class StorageClosed(NamedTuple):
+    """How the storage tier closed: its I/O pool's shutdown and final counters."""
+
+    shutdown: ShutdownResult
+    stats: IOStats
+    running_backups: int  # still running when it closed (abandoned at exit: not stored)
 
 
 class CacheService(Actor[ToCache]):
@@ -106,6 +122,11 @@ class CacheService(Actor[ToCache]):
         self._cache_steps = 0
         self._storage_work = asyncio.Event()  # set when a step or an ack may have started storage work
         self._storage_announced = False
+        # SIGTERM: pending backups are flushed until the stop's deadline (the front door's Draining
+        # says it: what its drain left of --shutdown-timeout; alone, the whole of it).
+        self.drain_timeout_s = cfg.http.shutdown_timeout_s
+        self._stop_by: float | None = None
+        self._flush_from: tuple[float, int, int] | None = None  # (monotonic start, backups done, pages)
 
     async def start(self) -> str:
         # The pools' sizes come from the worker, which knows the model; wait for it.
@@ -237,8 +258,43 @@ class CacheService(Actor[ToCache]):
         for msg, frames in early:
             await self.handle(msg, frames)
 
+    async def drain(self, timeout_s: float) -> None:
+        """Flush the backups queued or running until the stop's deadline; `stop` cancels the rest
+        (not stored: a value is written whole or not at all)."""
+        io = self._io
+        if io is None:
+            return
+        done, pages = self._backups_done(io.stats())
+        self._flush_from = (time.monotonic(), done, pages)
+        left = timeout_s if self._stop_by is None else min(timeout_s, self._stop_by - time.time())
+        deadline = time.monotonic() + max(0.0, left - FLUSH_MARGIN_S)
+        while io.pending_backups() and time.monotonic() < deadline:
+            self._storage_work.set()  # the poll task finalises what completes
+            await asyncio.sleep(0.02)
+
     async def stop(self) -> None:
-        self._close_storage(drain=True)
+        flush = self._flush_from
+        closed = self._close_storage(drain=flush is None)  # a flush had its time: cancel what is left
+        if flush is None or closed is None:
+            return
+        started, done0, pages0 = flush
+        done, pages = self._backups_done(closed.stats)
+        not_flushed = closed.shutdown.num_cancelled_backups + closed.running_backups
+        summary = (
+            f"flushed {done - done0} backup(s) ({pages - pages0} pages) in {time.monotonic() - started:.1f}s, "
+            f"{not_flushed} not flushed (not stored)"
+        )
+        self.log.info("shutdown: %s", summary)
+        try:
+            await self.control.send(Stopped(service=self.name, pid=os.getpid(), summary=summary))
+        except Exception as e:  # noqa: BLE001 - the launcher may be gone: the log line stands
+            self.log.debug("could not tell the launcher how the stop went: %r", e)
+
+    @staticmethod
+    def _backups_done(stats: IOStats) -> tuple[int, int]:
+        """Backups that ended DONE or PARTIAL so far, and the pages they wrote."""
+        outcomes = stats.backup_outcomes
+        return outcomes.get("done", 0) + outcomes.get("partial", 0), stats.num_backup_pages
 
     async def _poll_storage(self) -> None:
         # Storage jobs complete on worker threads; finalise them here, whatever the scheduler does,
@@ -259,16 +315,20 @@ class CacheService(Actor[ToCache]):
             if ready:
                 await self.scheduler.send(PrefetchDone(rids=ready))
 
-    def _close_storage(self, drain: bool = False) -> None:
-        if self.ctrl is not None and self.ctrl.storage is not None:
-            # At shutdown queued backups still run (bounded), so a restart finds them.
-            self.ctrl.storage.close(drain=drain)
+    def _close_storage(self, drain: bool = False) -> StorageClosed | None:
+        """Close the storage tier (None: it was not open); queued backups run with `drain`, else
+        they are cancelled."""
+        closed = None
+        if self.ctrl is not None and self.ctrl.storage is not None and self._io is not None:
+            shutdown = self.ctrl.storage.close(drain=drain)
+            closed = StorageClosed(shutdown, self._io.stats(), self._io.pending_backups())
         if self._io is not None:
             self._io.backend.close()
             self._io = None
         if self._host_pools is not None:
             self._host_pools.close()
             self._host_pools = None
+        return closed
 
     def _open_storage(self, info: WorkerInfo) -> None:
         """The storage tier over the worker's shared host pools; failures leave it off (logged)."""
@@ -402,6 +462,8 @@ class CacheService(Actor[ToCache]):
                 await self._on_scheduler_hello(pid)
             case Hello(service=service):
                 self.log.warning("hello from %r: nothing to do", service)
+            case Draining(deadline=deadline):
+                self._stop_by = deadline
             case Shutdown():
                 pass
 

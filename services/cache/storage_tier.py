@@ -37,6 +37,7 @@ from himamba.services.cache.storage.io_workers import (
     JobHandle,
     JobOutcome,
     JobResult,
+    ShutdownResult,
     StateCopy,
     StorageIO,
 )
@@ -524,13 +525,14 @@ class StorageTier:
                     pf.handle.revoke()
         self._detached = [p for p in self._detached if p.phase != "ready"]
 
-    def close(self, *, drain: bool = False, timeout_s: float = 1.5) -> None:
+    def close(self, *, drain: bool = False, timeout_s: float = 1.5) -> ShutdownResult:
         """Stop the I/O workers (queued jobs run to the end with `drain`, else are cancelled) and
         finalise everything."""
-        self.io.close(drain=drain, timeout_s=timeout_s)
+        result = self.io.close(drain=drain, timeout_s=timeout_s)
         for pf in list(self.prefetches.values()):
             self._give_up(pf)
         self.poll()
+        return result
 
 
 def _last_key(node: TreeNode | None) -> bytes | None:

@@ -38,6 +38,7 @@ from himamba.common.messages import (
     AddRequest,
     CacheFlushed,
     ClientRequest,
+    Draining,
     ErrorReply,
     GenerateChunk,
     GenerateRequest,
@@ -46,6 +47,7 @@ from himamba.common.messages import (
     MetricsReport,
     PrepareGrammar,
     Ready,
+    Stopped,
     StopRequest,
     TokenBatch,
     TokenOut,
@@ -150,6 +152,7 @@ class TokenizerService(Actor[ToTokenizer]):
         self._scheduler: Outbox | None = None
         self._worker: Outbox | None = None
         self._flusher: CacheFlusher | None = None
+        self._cache: Outbox | None = None
         self.worker_info: WorkerInfo | None = None
         # spec_key -> (the grammar, resolved when the worker built it)
         self._grammar_waiters: dict[bytes, tuple[GrammarSpec, asyncio.Future[None]]] = {}
@@ -180,7 +183,8 @@ class TokenizerService(Actor[ToTokenizer]):
         # A worker that is already up sent its WorkerInfo (model vocab, eos) to an earlier front door.
         self._worker = Outbox(self.ctx, self.cfg.endpoints.worker_ipc)
         await self._worker.send(Hello(service=self.name, pid=os.getpid()))
-        self._flusher = CacheFlusher(Outbox(self.ctx, self.cfg.endpoints.cache_ipc), self.cfg.endpoints.tokenizer_ipc)
+        self._cache = Outbox(self.ctx, self.cfg.endpoints.cache_ipc)
+        self._flusher = CacheFlusher(self._cache, self.cfg.endpoints.tokenizer_ipc)
         max_bytes = CLIENT_BYTES_PER_CONTEXT_TOKEN * self.cfg.model.max_context_len + (1 << 20)
         ep = self.cfg.endpoints
         curve = CurveServer(ep.curve_secret_key_file, ep.curve_clients_dir) if ep.curve_secret_key_file else None
@@ -253,6 +257,11 @@ class TokenizerService(Actor[ToTokenizer]):
         self._draining = True
         deadline = time.monotonic() + timeout_s
         self._drained_from = self.table.request_count()
+        if self._cache is not None:  # its flush of pending backups gets what this drain leaves
+            try:
+                await self._cache.send(Draining(deadline=time.time() + timeout_s))
+            except Exception as e:  # noqa: BLE001 - the cache may be gone: it then flushes by its own clock
+                self.log.debug("could not tell the cache the stop's deadline: %r", e)
         if self.table:
             self.log.info("draining: waiting up to %.1fs for %d request(s)", timeout_s, self._drained_from)
         while self.table and time.monotonic() < deadline:
@@ -264,12 +273,15 @@ class TokenizerService(Actor[ToTokenizer]):
         told: set[tuple[bytes, str]] = set()
         aborted = self.table.request_count()
         if self._drained_from is not None:  # one line for the operator: what the stop did to clients
-            self.log.info(
-                "shutdown: %d request(s) in flight at SIGTERM, %d finished, %d aborted with 503",
-                self._drained_from,
-                max(0, self._drained_from - aborted),
-                aborted,
+            summary = (
+                f"{self._drained_from} request(s) in flight at SIGTERM, "
+                f"{max(0, self._drained_from - aborted)} finished, {aborted} aborted with 503"
             )
+            self.log.info("shutdown: %s", summary)
+            try:  # the launcher's final line carries it
+                self.control.send_nowait(Stopped(service=self.name, pid=os.getpid(), summary=summary))
+            except Exception as e:  # noqa: BLE001 - the launcher may be gone: the log line stands
+                self.log.debug("could not tell the launcher how the stop went: %r", e)
         for entry in self.table.entries():
             self.table.pop(entry.rid)
             try:

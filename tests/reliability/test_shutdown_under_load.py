@@ -88,6 +88,8 @@ def test_sigterm_under_16_streams_drains_and_leaves_nothing(tmp_path: Path) -> N
     assert "did not stop in time" not in log, log[-3000:]
     assert "killed: none" in log
     assert f"shutdown: {STREAMS} request(s) in flight at SIGTERM, {STREAMS} finished, 0 aborted" in log
+    final = next(line for line in log.splitlines() if "launcher" in line and "stopped in" in line)
+    assert f"tokenizer: {STREAMS} request(s) in flight at SIGTERM, {STREAMS} finished" in final, final
     assert helpers  # the grammar-check process, at least
     alive = [p for p in children + helpers if _running(p)]
     assert not alive, alive

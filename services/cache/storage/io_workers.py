@@ -107,6 +107,7 @@ class JobResult(NamedTuple):
 class ShutdownResult(NamedTuple):
     num_cancelled: int  # queued jobs completed as CANCELLED
     num_unjoined: int  # worker threads still busy after the timeout (their jobs finish later)
+    num_cancelled_backups: int = 0  # of num_cancelled: backups, whose values are then not stored
 
 
 class IOStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -523,6 +524,11 @@ class StorageIO:
                 budget=self.budget.state(),
             )
 
+    def pending_backups(self) -> int:
+        """Backups queued or running: what a flush at shutdown still waits for."""
+        with self._cond:
+            return len(self._backups) + sum(1 for j in self._running.values() if j.kind is JobKind.BACKUP)
+
     def close(self, *, drain: bool = False, timeout_s: float = 10.0) -> ShutdownResult:
         """Stop accepting jobs (later submits complete as CANCELLED). Queued jobs run to the end
         with `drain`, else complete as CANCELLED; running prefetches are revoked unless draining.
@@ -553,7 +559,8 @@ class StorageIO:
             alive[0].join(left)
         if alive:
             _log.warning("storage I/O: %d worker(s) still busy after %.1f s", len(alive), timeout_s)
-        return ShutdownResult(len(cancelled), len(alive))
+        backups = sum(1 for j in cancelled if j.kind is JobKind.BACKUP)
+        return ShutdownResult(len(cancelled), len(alive), backups)
 
 
 def _rows(t: torch.Tensor | None, name: str) -> np.ndarray | None:

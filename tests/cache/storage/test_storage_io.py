@@ -134,7 +134,7 @@ def test_backup_then_prefetch_round_trips_pages_and_state(tmp_path: Path) -> Non
     assert s.backup_outcomes["done"] == 1 and s.prefetch_outcomes["done"] == 1
     assert s.num_prefetch_pages == 6 and s.num_backup_bytes == backup.num_bytes
     assert _budget_is_idle(io)
-    assert io.close() == (0, 0)
+    assert io.close() == (0, 0, 0)
 
 
 def test_the_event_loop_can_await_a_job(tmp_path: Path) -> None:
@@ -278,6 +278,9 @@ def test_every_job_ends_and_the_budget_returns_to_zero_under_faults(tmp_path: Pa
     shutdown = io.close(drain=seed % 2 == 0, timeout_s=WAIT_S)
     results = [_result(h) for h in handles]
     assert shutdown.num_unjoined == 0
+    backups = [r for i, r in enumerate(results) if i % 3 == 2]
+    assert shutdown.num_cancelled_backups == sum(r.outcome is JobOutcome.CANCELLED for r in backups)
+    assert io.pending_backups() == 0
     assert _budget_is_idle(io)
     s = io.stats()
     assert sum(s.prefetch_outcomes.values()) + sum(s.backup_outcomes.values()) == len(handles)
@@ -318,7 +321,7 @@ def test_a_draining_shutdown_finishes_queued_jobs(tmp_path: Path) -> None:
     kv, state = _pools()
     io = StorageIO(FileBackend(FP, tmp_path), kv, state, page_size=PAGE_SIZE, prefetch_budget_tokens=64, num_workers=1)
     handles = [io.submit_backup(_keys(2, salt=i), [2 * i, 2 * i + 1]) for i in range(5)]
-    assert io.close(drain=True, timeout_s=WAIT_S) == (0, 0)
+    assert io.close(drain=True, timeout_s=WAIT_S) == (0, 0, 0)
     assert [_result(h).outcome for h in handles] == [JobOutcome.DONE] * 5
 
 
