@@ -157,7 +157,13 @@ def make_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: list[int
 
 def new_matcher(spec: GrammarSpec, tokenizer: llguidance.LLTokenizer) -> llguidance.LLMatcher:
     """A fresh matcher of `spec` (ValueError naming the problem when the grammar is invalid)."""
-    m = llguidance.LLMatcher(tokenizer, grammar_text(spec), log_level=0, limits=parser_limits())
+    return matcher_from_text(grammar_text(spec), tokenizer)
+
+
+def matcher_from_text(text: str, tokenizer: llguidance.LLTokenizer) -> llguidance.LLMatcher:
+    """A fresh matcher of a grammar already lowered by `grammar_text` (native work only: the
+    library releases the GIL while it compiles); ValueError naming the problem when invalid."""
+    m = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=parser_limits())
     if m.is_error():
         raise ValueError(m.get_error())
     return m

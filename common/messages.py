@@ -231,9 +231,13 @@ class ResetState(Message):
 class PrepareGrammar(Message):
     """The front door accepted a request constrained by `grammar`: the worker builds its matcher
     now, off its step loop, and answers `GrammarReady` once it is built. The front door queues
-    the request only then, so no step of the worker waits for a build."""
+    the request only then, so no step of the worker waits for a build. `lowered`: the grammar as
+    the front door's check lowered it to llguidance's text (""; unknown), so the worker's build is
+    only the library's native compile (it releases the GIL), never the conversion, which holds the
+    GIL and would stall the step thread beside it."""
 
     grammar: GrammarSpec
+    lowered: str = ""
 
 
 class GrammarReady(Message):

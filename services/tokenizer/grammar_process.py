@@ -9,7 +9,11 @@ tokenizer) runs in a spawned child, one at a time:
   merely in flight beside the crashing one is not refused for it;
 - the check takes longer than GRAMMAR_CHECK_TIMEOUT_S: the child is killed, the request is a 400.
 The worker builds only grammars that passed here: a build that did not crash the child does not
-crash the worker (same library, same limits, a thread with the same stack).
+crash the worker (same library, same limits, a thread with the same stack). A grammar that passes
+comes back lowered too (llguidance's own grammar text, what `grammar_text` converts the spec to):
+that conversion is Python work holding the GIL for tens of milliseconds on a large spec (512 tools
+with patterns: ~40 ms), so it is done here once, and the worker only builds the matcher from the
+lowered text (native code that releases the GIL) instead of stalling its step thread with it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,14 @@ class TokenizerSource(NamedTuple):
     eos_token_ids: list[int]
 
 
+class CheckResult(NamedTuple):
+    """A check's verdict ("" when the grammar can constrain the output) and, then, the grammar
+    lowered to llguidance's text ("" when refused)."""
+
+    verdict: str
+    lowered: str = ""
+
+
 class GrammarCheckProcess:
     """Checks grammars in a child process; `check` blocks (call it from a thread)."""
 
@@ -46,8 +58,8 @@ class GrammarCheckProcess:
         self._proc: BaseProcess | None = None
         self._conn: Connection | None = None
 
-    def check(self, spec: GrammarSpec) -> str:
-        """Why `spec` cannot constrain the output ("" when it can)."""
+    def check(self, spec: GrammarSpec) -> CheckResult:
+        """Why `spec` cannot constrain the output ("" when it can), and its lowered text."""
         with self._lock:
             first = self._check_once(spec)
             if first is not None:
@@ -55,22 +67,22 @@ class GrammarCheckProcess:
             second = self._check_once(spec)  # a fresh child: was it this grammar?
             if second is not None:
                 return second
-            return "the grammar library failed building this grammar (its process crashed); it is refused"
+            return CheckResult("the grammar library failed building this grammar (its process crashed); it is refused")
 
-    def _check_once(self, spec: GrammarSpec) -> str | None:
+    def _check_once(self, spec: GrammarSpec) -> CheckResult | None:
         """The verdict, or None when the child died on it."""
         conn = self._child()
         try:
             conn.send((spec.kind, spec.spec))
             if not conn.poll(self.timeout_s):
                 self._lost(f"a grammar check took longer than {self.timeout_s:g}s")
-                return f"building the grammar took longer than {self.timeout_s:g}s"
-            verdict = conn.recv()
+                return CheckResult(f"building the grammar took longer than {self.timeout_s:g}s")
+            verdict, lowered = conn.recv()
         except (EOFError, OSError):
             self._lost("the grammar check process died")
             return None
-        assert isinstance(verdict, str)
-        return verdict
+        assert isinstance(verdict, str) and isinstance(lowered, str)
+        return CheckResult(verdict, lowered)
 
     def _child(self) -> Connection:
         if self._conn is None or self._proc is None or not self._proc.is_alive():
@@ -107,7 +119,7 @@ def _serve(conn: Connection, source: TokenizerSource) -> None:
     """The child: answer each (kind, spec) with its verdict until the front door goes away."""
     from pathlib import Path
 
-    from himamba.common.grammar import GrammarChecks, grammar_thread_pool, make_tokenizer
+    from himamba.common.grammar import GrammarChecks, grammar_text, grammar_thread_pool, make_tokenizer
 
     def tokenizer():
         text = Path(source.tokenizer_json).read_text(encoding="utf-8")
@@ -120,9 +132,12 @@ def _serve(conn: Connection, source: TokenizerSource) -> None:
             kind, text = conn.recv()
         except (EOFError, OSError):
             return
+        spec = GrammarSpec(kind=kind, spec=text)
+        lowered = ""
         try:
-            pool.submit(checks.check, GrammarSpec(kind=kind, spec=text)).result()
+            pool.submit(checks.check, spec).result()
             verdict = ""
+            lowered = pool.submit(grammar_text, spec).result()  # what the worker then builds from
         except ValueError as e:
             verdict = str(e) or "the grammar cannot be built"
-        conn.send(verdict)
+        conn.send((verdict, lowered))

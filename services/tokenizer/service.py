@@ -155,7 +155,7 @@ class TokenizerService(Actor[ToTokenizer]):
         self._cache: Outbox | None = None
         self.worker_info: WorkerInfo | None = None
         # spec_key -> (the grammar, resolved when the worker built it)
-        self._grammar_waiters: dict[bytes, tuple[GrammarSpec, asyncio.Future[None]]] = {}
+        self._grammar_waiters: dict[bytes, tuple[PrepareGrammar, asyncio.Future[None]]] = {}
         self._clients: ClientSocket | None = None
         self._decoder: Decoder[Any] = Decoder(ClientRequest)
         self._encoder = msgspec.msgpack.Encoder()
@@ -351,8 +351,8 @@ class TokenizerService(Actor[ToTokenizer]):
                     await self._on_token_out(out)
             case WorkerInfo():
                 if self.worker_info is not None and msg.pid != self.worker_info.pid and self._worker is not None:
-                    for grammar, _ in list(self._grammar_waiters.values()):  # a new worker: ask it again
-                        await self._worker.send(PrepareGrammar(grammar=grammar))
+                    for prepare, _ in list(self._grammar_waiters.values()):  # a new worker: ask it again
+                        await self._worker.send(prepare)
                 self.worker_info = msg  # the pools' sizes, for /server_info
                 self._vocab_size = msg.vocab_size
                 if not self._eos_token_ids:
@@ -527,15 +527,17 @@ class TokenizerService(Actor[ToTokenizer]):
         """ValueError ("grammar: why") when `spec` does not build for this model (cached)."""
         await self._grammars.check(spec)
 
-    async def _grammar_built(self, grammar: GrammarSpec) -> None:
-        """Have the worker build `grammar` and wait until it has: a request is queued only then,
-        so no step of the worker waits for a build (every other request keeps stepping while it
-        runs). A worker that restarts is asked again; bounded by GRAMMAR_READY_TIMEOUT_S all the same
-        (the request's first step then waits for the build instead)."""
+    async def _grammar_built(self, grammar: GrammarSpec, lowered: str) -> None:
+        """Have the worker build `grammar` (from `lowered`, the check's conversion of it) and wait
+        until it has: a request is queued only then, so no step of the worker waits for a build
+        (every other request keeps stepping while it runs). A worker that restarts is asked again;
+        bounded by GRAMMAR_READY_TIMEOUT_S all the same (the request's first step then waits for the
+        build instead)."""
         if self._worker is None:
             return
+        prepare = PrepareGrammar(grammar=grammar, lowered=lowered)
         if self.worker_info is None:  # no worker has said it is up: a hint it may read later
-            await self._worker.send(PrepareGrammar(grammar=grammar))
+            await self._worker.send(prepare)
             return
         key = spec_key(grammar)
         pending = self._grammar_waiters.get(key)
@@ -543,8 +545,8 @@ class TokenizerService(Actor[ToTokenizer]):
             waiter = pending[1]
         else:
             waiter = asyncio.get_running_loop().create_future()
-            self._grammar_waiters[key] = (grammar, waiter)
-            await self._worker.send(PrepareGrammar(grammar=grammar))
+            self._grammar_waiters[key] = (prepare, waiter)
+            await self._worker.send(prepare)
         try:
             await asyncio.wait_for(asyncio.shield(waiter), GRAMMAR_READY_TIMEOUT_S)
         except TimeoutError:
@@ -588,8 +590,9 @@ class TokenizerService(Actor[ToTokenizer]):
         try:
             prepared = prepare_request(req, self._loaded.tokenizer, self._limits())
             self._check_samples_fit(req.sampling.n)
-            if req.sampling.grammar is not None:
-                await self._grammars.check(req.sampling.grammar)  # off the loop; a 400 before queueing
+            lowered = ""
+            if req.sampling.grammar is not None:  # off the loop; a 400 before queueing
+                lowered = await self._grammars.check(req.sampling.grammar)
         except ValueError as e:
             await self._reply(identity, ErrorReply(message=str(e), rid=client_rid, code=400))
             return
@@ -598,7 +601,7 @@ class TokenizerService(Actor[ToTokenizer]):
                 error = ErrorReply(message=f"rid {client_rid!r} is already in flight", rid=client_rid, code=409)
                 await self._reply(identity, error)
                 return
-            await self._grammar_built(req.sampling.grammar)
+            await self._grammar_built(req.sampling.grammar, lowered)
         n = req.sampling.n
         adds = sample_requests(
             [internal_rid(identity, client_rid, i) for i in range(n)],

@@ -2,9 +2,14 @@
 applied to that sequence's logits row before sampling.
 
 Grammars are built off the step loop: the front door sends `PrepareGrammar` as it accepts a
-request, and a one-thread pool builds each (kind, spec) once into a template matcher (an LRU);
-a sequence's matcher is a copy of its template. Only if a request's first step comes before its
-build finished does that step wait for it (a build takes about a millisecond).
+request, with the grammar already lowered to llguidance's text by its check, and a one-thread pool
+builds each (kind, spec) once into a template matcher (an LRU); a sequence's matcher is a copy of
+its template (`deep_copy`, microseconds). The build from lowered text is the library's native
+compile, which releases the GIL: the step thread runs beside it. Converting a spec (JSON parsing,
+schema walks: Python, holding the GIL for tens of milliseconds on a large one) happens here only for
+a grammar that came without its lowered text (a request whose step arrives before any PrepareGrammar:
+a restarted worker), still in the pool's thread. Only if a request's first step comes before its
+build finished does that step wait for it, and `step_waits` counts it.
 
 A matcher's state is a function of the sequence's output tokens, and the worker is fed every
 token of a sequence's context in order (prompt chunks, then each sampled token as the next
@@ -31,7 +36,14 @@ from typing import NamedTuple
 import llguidance
 import torch
 
-from himamba.common.grammar import GRAMMAR_DEAD_END, grammar_thread_pool, make_tokenizer, new_matcher, spec_key
+from himamba.common.grammar import (
+    GRAMMAR_DEAD_END,
+    grammar_thread_pool,
+    make_tokenizer,
+    matcher_from_text,
+    new_matcher,
+    spec_key,
+)
 from himamba.common.types import GrammarSpec
 
 log = logging.getLogger("himamba.worker")
@@ -58,9 +70,12 @@ class GrammarCompiler:
         # spin between batches and steal the model's cores on small machines: only with cores to spare.
         self.parallel_min_rows = PARALLEL_MIN_ROWS if (os.cpu_count() or 1) >= PARALLEL_MIN_CORES else 0
         self.builds = 0  # grammars built (tests and logs)
+        self.conversions = 0  # of those, built from the spec (no lowered text came with it)
+        self.step_waits = 0  # steps that waited for a build (none, when the front door gates requests)
 
-    def prepare(self, spec: GrammarSpec) -> Future[llguidance.LLMatcher]:
-        """The template of `spec`, built (or being built) in the background."""
+    def prepare(self, spec: GrammarSpec, lowered: str = "") -> Future[llguidance.LLMatcher]:
+        """The template of `spec`, built (or being built) in the background; from `lowered` (the
+        front door's conversion of it) when given."""
         key = spec_key(spec)
         got = self._templates.get(key)
         if got is not None:
@@ -68,7 +83,7 @@ class GrammarCompiler:
             return got
         if self._tokenizer is None:
             self._tokenizer = self._pool.submit(self._load_tokenizer)
-        fut = self._pool.submit(self._build, spec)
+        fut = self._pool.submit(self._build, spec, lowered)
         self._templates[key] = fut
         while len(self._templates) > self.size:
             self._templates.popitem(last=False)  # a sequence holding it keeps its own reference
@@ -81,15 +96,20 @@ class GrammarCompiler:
             raise ValueError(f"structured outputs need the model's tokenizer.json: {e.strerror}") from None
         return make_tokenizer(text, self.vocab_size, self.eos_token_ids)
 
-    def _build(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+    def _build(self, spec: GrammarSpec, lowered: str) -> llguidance.LLMatcher:
         assert self._tokenizer is not None
-        matcher = new_matcher(spec, self._tokenizer.result())
+        if lowered:
+            matcher = matcher_from_text(lowered, self._tokenizer.result())
+        else:
+            self.conversions += 1
+            log.info("a %s grammar came without its lowered text: converted in the worker", spec.kind)
+            matcher = new_matcher(spec, self._tokenizer.result())
         matcher.compute_bitmask()  # warms the lexer for the first state, here rather than in a step
         self.builds += 1
         return matcher
 
     def state(self, spec: GrammarSpec, num_prompt: int) -> GrammarState:
-        return GrammarState(self.prepare(spec), num_prompt)
+        return GrammarState(self.prepare(spec), num_prompt, self)
 
     def masks(self, states: Sequence[GrammarState | None], vocab_size: int) -> GrammarMasks | None:
         """The masks of a batch's constrained rows (None when it has none)."""
@@ -132,8 +152,11 @@ class GrammarCompiler:
 class GrammarState:
     """One sequence's matcher, fed the sequence's output tokens in order."""
 
-    def __init__(self, template: Future[llguidance.LLMatcher], num_prompt: int):
+    def __init__(
+        self, template: Future[llguidance.LLMatcher], num_prompt: int, compiler: GrammarCompiler | None = None
+    ):
         self._template = template
+        self._compiler = compiler  # counts a step's wait for the build
         self.num_prompt = num_prompt
         self.seen = 0  # output tokens fed so far (consumed, or pending until the matcher exists)
         self.matcher: llguidance.LLMatcher | None = None
@@ -164,6 +187,8 @@ class GrammarState:
         if self.matcher is None and self.error is None:
             if not self._template.done():  # the build started late (a restart, an evicted template)
                 t0 = time.perf_counter()
+                if self._compiler is not None:
+                    self._compiler.step_waits += 1
                 concurrent.futures.wait([self._template])
                 log.info("a step waited %.1f ms for a grammar build", (time.perf_counter() - t0) * 1000)
             try:

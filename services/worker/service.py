@@ -190,8 +190,8 @@ class WorkerService(Actor[ToWorker]):
             case ResetState(slots=slots):
                 self.state.zero(torch.tensor(slots, dtype=torch.int64, device=self.device))
                 self.host.unwritten.slots_zeroed(slots)
-            case PrepareGrammar(grammar=grammar):
-                built = asyncio.wrap_future(self.grammars.prepare(grammar))
+            case PrepareGrammar(grammar=grammar, lowered=lowered):
+                built = asyncio.wrap_future(self.grammars.prepare(grammar, lowered))
                 task = asyncio.create_task(self._announce_grammar(spec_key(grammar), built))
                 self._announcing.add(task)
                 task.add_done_callback(self._announcing.discard)

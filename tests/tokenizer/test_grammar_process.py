@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from himamba.common.grammar import grammar_text
 from himamba.common.types import GrammarSpec
 from himamba.services.tokenizer.grammar_process import GrammarCheckProcess, TokenizerSource
 from tests.worker.test_grammar_masks import EOS, _tiny_tokenizer
@@ -41,16 +42,18 @@ def checker(tmp_path: Path) -> Iterator[GrammarCheckProcess]:
 
 
 def test_verdicts_come_from_the_child(checker: GrammarCheckProcess) -> None:
-    assert checker.check(GrammarSpec(kind="regex", spec="[ab]+")) == ""
-    assert checker.check(GrammarSpec(kind="regex", spec="a(b"))  # the library's reason
+    ok = checker.check(GrammarSpec(kind="regex", spec="[ab]+"))
+    assert ok.verdict == "" and ok.lowered == grammar_text(GrammarSpec(kind="regex", spec="[ab]+"))
+    refused = checker.check(GrammarSpec(kind="regex", spec="a(b"))
+    assert refused.verdict and refused.lowered == ""  # the library's reason; nothing to build
     assert "more than 1000" in checker.check(
         GrammarSpec(kind="choice", spec=json.dumps([f"c{i}" for i in range(2000)]))
-    )
+    ).verdict
     assert checker.crashes == 0
 
 
 def test_a_child_that_dies_mid_check_is_replaced_and_the_check_retried(checker: GrammarCheckProcess) -> None:
-    assert checker.check(GrammarSpec(kind="regex", spec="x")) == ""  # the child is up
+    assert checker.check(GrammarSpec(kind="regex", spec="x")).verdict == ""  # the child is up
     assert checker._proc is not None
     victim = checker._proc.pid
 
@@ -59,14 +62,14 @@ def test_a_child_that_dies_mid_check_is_replaced_and_the_check_retried(checker: 
         os.kill(victim, signal.SIGSEGV)
 
     threading.Thread(target=crash_it).start()
-    assert checker.check(SLOW) == ""  # a crash beside a check is not that check's fault: retried
+    assert checker.check(SLOW).verdict == ""  # a crash beside a check is not that check's fault: retried
     assert checker.crashes == 1 and checker._proc is not None and checker._proc.pid != victim
-    assert checker.check(GrammarSpec(kind="regex", spec="y")) == ""
+    assert checker.check(GrammarSpec(kind="regex", spec="y")).verdict == ""
 
 
 def test_a_check_over_its_time_is_refused_and_the_child_replaced(checker: GrammarCheckProcess) -> None:
     checker.timeout_s = 0.2
-    assert "took longer than 0.2s" in checker.check(SLOW)
+    assert "took longer than 0.2s" in checker.check(SLOW).verdict
     assert checker.crashes == 1
     checker.timeout_s = 60
-    assert checker.check(GrammarSpec(kind="regex", spec="z")) == ""
+    assert checker.check(GrammarSpec(kind="regex", spec="z")).verdict == ""

@@ -276,3 +276,54 @@ def test_masks_computed_in_parallel_equal_those_computed_one_by_one(compiler, vo
         compiler.parallel_min_rows = before
     assert one_by_one.rows == parallel.rows == list(range(1, 7))
     assert torch.equal(one_by_one.bitmask, parallel.bitmask)
+
+
+def _recording(monkeypatch, name: str) -> list[str]:
+    """Replace grammar_masks.`name` by itself plus a record of the threads it ran on."""
+    import threading
+
+    from himamba.services.worker import grammar_masks
+
+    real, threads = getattr(grammar_masks, name), []
+
+    def recorded(*args):
+        threads.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(grammar_masks, name, recorded)
+    return threads
+
+
+def test_the_step_path_only_copies_a_matcher_built_from_the_front_doors_lowered_grammar(
+    tok, vocab, tmp_path, monkeypatch
+):
+    """Structural: with PrepareGrammar's lowered text the worker converts no spec (the Python
+    work that holds the GIL), builds on its grammar thread, and a step's matcher is a copy of the
+    template: the step's own thread builds nothing and waits for nothing."""
+    import threading
+
+    from himamba.common.grammar import grammar_text
+
+    path = tmp_path / "tokenizer.json"
+    path.write_text(tok.to_str())
+    built = _recording(monkeypatch, "matcher_from_text")
+    converted = _recording(monkeypatch, "new_matcher")
+    c = GrammarCompiler(path, vocab, [EOS])
+    try:
+        spec = GrammarSpec(kind="json_schema", spec=json.dumps(SCHEMA))
+        c.prepare(spec, grammar_text(spec)).result()  # PrepareGrammar, then GrammarReady
+        states = [c.state(spec, num_prompt=1) for _ in range(3)]  # the step: three sequences of it
+        for g in states:
+            g.feed(0, torch.tensor([5]))
+        masks = c.masks([states[0], None, states[1], states[2]], vocab)
+        assert masks is not None and masks.rows == [0, 2, 3] and not masks.errors
+        step_thread = threading.current_thread().name
+        assert converted == [] and c.conversions == 0  # no spec was converted in the worker
+        assert len(built) == 1 and built[0].startswith("grammar") and built[0] != step_thread
+        assert c.builds == 1 and c.step_waits == 0
+        # A grammar with no lowered text (a restarted worker) is converted, on the grammar thread too.
+        other = GrammarSpec(kind="regex", spec="[ab]{2,4}")
+        c.prepare(other).result()
+        assert converted == [built[0]] and c.conversions == 1
+    finally:
+        c.close()
