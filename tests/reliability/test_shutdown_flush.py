@@ -13,7 +13,7 @@ import signal
 from pathlib import Path
 
 from himamba.common.client import AsyncClient
-from himamba.services.bench.servers import start_server
+from himamba.bench.servers import start_server
 from himamba.services.cache.storage.base import ValueKind
 from himamba.services.cache.storage.file import FileBackend
 from himamba.services.modelgen.checkpoint import make_checkpoint
