@@ -12,8 +12,8 @@ import re
 import signal
 from pathlib import Path
 
-from himamba.common.client import AsyncClient
 from himamba.bench.servers import start_server
+from himamba.common.client import AsyncClient
 from himamba.services.cache.storage.base import ValueKind
 from himamba.services.cache.storage.file import FileBackend
 from himamba.services.modelgen.checkpoint import make_checkpoint
