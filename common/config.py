@@ -459,6 +459,15 @@ class HttpConfig(_Section):
         NonNegInt,
         doc("The stored responses' size budget in MiB (their JSON); beyond it the least recently used go first."),
     ] = 64
+    responses_shared: Annotated[
+        bool,
+        doc(
+            "With a file or redis storage tier (--hicache-storage-backend), stored responses are written there "
+            "too (same count and size bounds, over the whole tier), so every server sharing it continues and "
+            "reads them; false: this server's memory only. Response ids name their server (--instance, else "
+            "<host>-<port>)."
+        ),
+    ] = True
 
 
 class MetricsConfig(_Section):

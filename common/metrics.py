@@ -37,6 +37,7 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "reason": ("stop", "length", "abort", "error"),
     "route": ("completions", "chat_completions", "models", "health", "metrics", "other"),
     "status": ("2xx", "4xx", "5xx"),
+    "store_op": ("write", "read", "delete"),
 }
 
 # Latency buckets (seconds) sized for CPU test models up to large GPU deployments.
@@ -295,6 +296,14 @@ HTTP_RESPONSES = MetricDef(
     "tokenizer",
     ("route", "status"),
 )
+RESPONSES_SHARED_STORE_ERRORS = MetricDef(
+    "himamba_responses_shared_store_errors_total",
+    "Calls to the shared store of /v1/responses that failed (a failed write leaves the response in this server's "
+    "memory only; a failed read answers 503).",
+    "counter",
+    "tokenizer",
+    ("store_op",),
+)
 
 # ---------------------------------------------------------------- every service: its own process
 # Four processes serve one model: each reports its own resident memory and CPU, labelled by service
@@ -384,6 +393,7 @@ ALL_METRICS: tuple[MetricDef, ...] = (
     REQUEST_ITL,
     REQUEST_E2E,
     HTTP_RESPONSES,
+    RESPONSES_SHARED_STORE_ERRORS,
 )
 
 

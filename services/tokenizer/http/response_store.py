@@ -5,6 +5,10 @@ A stored response keeps its Response object (for GET) and its input items (after
 response's input and output): with its output, the conversation that the next turn's
 `previous_response_id` continues. A finished one also keeps the token ids its turn ran on
 (responses_continuation.py), which the next turn extends.
+
+`encode_record` / `decode_record`: one stored response as the bytes the fleet's shared store keeps
+(shared_responses.py): everything GET, input_items and a continuation need, with the model that
+made it (its token ids mean nothing to another model).
 """
 
 from __future__ import annotations
@@ -29,6 +33,32 @@ class StoredResponse(NamedTuple):
     def conversation(self) -> list[dict[str, Any]]:
         """Its input then its output: what a next turn continues."""
         return [*self.inputs, *self.response["output"]]
+
+
+class _Record(msgspec.Struct, forbid_unknown_fields=False):
+    """A stored response in the shared store (JSON)."""
+
+    model: str
+    response: dict[str, Any]
+    inputs: list[dict[str, Any]]
+    tokens: StoredTokens | None = None
+
+
+def encode_record(model: str, found: StoredResponse) -> bytes:
+    return msgspec.json.encode(_Record(model, found.response, found.inputs, found.tokens))
+
+
+class DecodedRecord(NamedTuple):
+    """A record read back: the model that made it and the response."""
+
+    model: str
+    stored: StoredResponse
+
+
+def decode_record(data: bytes) -> DecodedRecord:
+    """The record's response; msgspec.DecodeError (a ValueError) when it is not one."""
+    rec = msgspec.json.decode(data, type=_Record)
+    return DecodedRecord(rec.model, StoredResponse(rec.response, rec.inputs, len(data), rec.tokens))
 
 
 class ResponseStore:

@@ -26,7 +26,7 @@ import msgspec
 from aiohttp import web
 from tokenizers import Tokenizer
 
-from himamba.common.config import HttpConfig
+from himamba.common.config import Config, HttpConfig
 from himamba.common.messages import ErrorReply, GenerateChunk, GenerateRequest
 from himamba.common.metrics import HTTP_RESPONSES
 from himamba.common.metrics_report import ServiceMetrics
@@ -95,6 +95,7 @@ _ACCESS_FORMAT = '%a "%r" %s %b %Tfs "%{User-Agent}i"'
 class FrontDoor(Protocol):
     """What the HTTP server needs from the tokenizer service."""
 
+    cfg: Config
     model_name: str
     max_context_len: int
     tokenizer: Tokenizer
