@@ -273,9 +273,10 @@ def test_redis_records_are_bounded_and_deleted(redis_url: str):
     assert not store.put(ids[0], b"x" * (store.max_bytes + 1))
 
 
-def test_redis_records_unreachable_raise():
-    store = RedisRecords(f"redis://127.0.0.1:{free_port()}/0", max_count=2, max_bytes=1000)
-    with pytest.raises(SharedStoreError):
+def test_redis_records_unreachable_raise_without_the_password():
+    store = RedisRecords(f"redis://:hunter2@127.0.0.1:{free_port()}/0", max_count=2, max_bytes=1000)
+    with pytest.raises(SharedStoreError) as got:
         store.get(new_response_id("a"))
+    assert "hunter2" not in str(got.value) and "127.0.0.1" in str(got.value)
     with pytest.raises(SharedStoreError):
         store.put(new_response_id("a"), b"{}")

@@ -160,7 +160,7 @@ class ResponsesRoutes:
                 self._count_error("read", f"reading {response_id}", e)
                 route = "" if parsed.server in ("", self.server_name) else f", or send it to server '{parsed.server}'"
                 raise ApiError(
-                    503, f"The shared response store could not be read ({e}); retry{route}.",
+                    503, f"The shared response store could not be read; retry{route}.",
                     param=param, code="response_store_unavailable",
                 ) from None  # fmt: skip
             if data is not None:
@@ -180,7 +180,7 @@ class ResponsesRoutes:
         if self.shared is not None:
             raise _not_found(
                 response_id, param, f" It belongs to server '{parsed.server}' and is not in the shared store "
-                f"({self.shared.where}) either: it has not finished, expired, or was deleted.",
+                "either: it has not finished, expired, or was deleted.",
             )  # fmt: skip
         raise _not_found(
             response_id, param, f" It belongs to another server, '{parsed.server}', and this server has no "
@@ -251,7 +251,7 @@ class ResponsesRoutes:
             except SharedStoreError as e:
                 self._count_error("delete", f"deleting {response_id}", e)
                 raise ApiError(
-                    503, f"The shared response store could not delete it ({e}); retry.",
+                    503, "The shared response store could not delete it; retry.",
                     param="response_id", code="response_store_unavailable",
                 ) from None  # fmt: skip
         if not deleted:

@@ -38,6 +38,7 @@ import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
     from himamba.common.config import Config
@@ -193,7 +194,7 @@ class RedisRecords(SharedRecords):
     def __init__(self, url: str, max_count: int, max_bytes: int, prefix: str = _REDIS_PREFIX):
         import redis  # only when chosen: a server without the redis tier needs no redis-py
 
-        self.where = url
+        self.where = _without_secrets(url)  # for logs: never the password
         self.max_count = max_count
         self.max_bytes = max_bytes
         self._prefix = prefix
@@ -226,6 +227,16 @@ class RedisRecords(SharedRecords):
         return bool(self._call(self._delete, keys=self._meta, args=[response_id, self._prefix]))
 
 
+def _without_secrets(url: str) -> str:
+    """A store URL without its user and password (redis://:secret@host:6379/0 -> redis://host:6379/0)."""
+    try:
+        parts = urlsplit(url)
+        host = f"{parts.hostname or ''}{'' if parts.port is None else f':{parts.port}'}"
+    except ValueError:
+        return "<the redis URL>"
+    return f"{parts.scheme}://{host}{parts.path}"
+
+
 def default_storage_dir() -> Path:
     """The cache's file tier's default directory (services/cache/storage/file.py says the same;
     a test holds them equal): `$XDG_CACHE_HOME/himamba/storage`."""
@@ -240,16 +251,16 @@ def open_records(cfg: Config, log: logging.Logger) -> SharedRecords | None:
     if backend == "none" or not http.responses_shared or http.responses_store_max == 0:
         return None
     max_bytes = http.responses_store_mib << 20
-    if backend == "file":
-        root = Path(cache.hicache_storage_dir) if cache.hicache_storage_dir else default_storage_dir()
-        return FileRecords(root / "responses", http.responses_store_max, max_bytes, cache.hicache_storage_group)
-    if backend == "redis":
-        try:
-            return RedisRecords(cache.hicache_storage_url or "redis://127.0.0.1:6379/0", http.responses_store_max,
-                                max_bytes)  # fmt: skip
-        except ImportError as e:
-            log.warning("stored responses stay in this server's memory: the redis tier needs redis-py (%s)", e)
-            return None
+    try:
+        if backend == "file":
+            root = Path(cache.hicache_storage_dir) if cache.hicache_storage_dir else default_storage_dir()
+            return FileRecords(root / "responses", http.responses_store_max, max_bytes, cache.hicache_storage_group)
+        if backend == "redis":
+            url = cache.hicache_storage_url or "redis://127.0.0.1:6379/0"
+            return RedisRecords(url, http.responses_store_max, max_bytes)
+    except (ImportError, KeyError, ValueError) as e:  # no redis-py, an unknown group, a bad URL
+        log.warning("stored responses stay in this server's memory: the %s tier cannot hold them (%s)", backend, e)
+        return None
     log.warning(
         "stored responses stay in this server's memory: the %s tier does not hold them; route a fleet by "
         "previous_response_id (docs/operations/fleet.md)", backend,
