@@ -7,6 +7,7 @@ does not fail the response, and a store that cannot be read is a 503 naming the 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -20,10 +21,11 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
+from himamba.common import config as config_mod
 from himamba.services.cache.storage.file import default_storage_dir as cache_default_dir
 from himamba.services.tokenizer.http import shared_responses
 from himamba.services.tokenizer.http.response_ids import new_response_id, parse_id, server_name
-from himamba.services.tokenizer.http.shared_responses import FileRecords, RedisRecords, SharedStoreError
+from himamba.services.tokenizer.http.shared_responses import FileRecords, RedisRecords, SharedStoreError, open_records
 from tests.http.test_responses_api import CACHED, KEY, TEMPLATE, Harness
 from tests.http_request import free_port
 from tests.tokenizer.fakes import FakeScheduler, running_service, service_config, write_model_dir
@@ -108,6 +110,26 @@ def test_the_default_directory_is_the_cache_tier_s():
     assert shared_responses.default_storage_dir() == cache_default_dir()
 
 
+@pytest.mark.parametrize(
+    ("cache", "http", "opened"),
+    [
+        ({"hicache_storage_dir": "/srv/tier"}, {}, "/srv/tier/responses"),
+        ({"hicache_storage_backend": "redis", "hicache_storage_url": "redis://:pw@store:6379/1"}, {},
+         "redis://store:6379/1"),
+        ({"hicache_storage_backend": "mooncake"}, {}, None),  # a KV-page transport: memory only
+        ({}, {}, None),  # no storage tier
+        ({"hicache_storage_dir": "/srv/tier"}, {"responses_shared": False}, None),
+        ({"hicache_storage_dir": "/srv/tier"}, {"responses_store_max": 0}, None),
+        ({"hicache_storage_backend": "redis", "hicache_storage_url": "ftp://store"}, {}, None),  # not a Redis URL
+        ({"hicache_storage_dir": "/srv/tier", "hicache_storage_group": "no-such-group-here"}, {}, None),
+    ],
+)  # fmt: skip
+def test_which_store_a_server_opens(cache: dict[str, Any], http: dict[str, Any], opened: str | None):
+    cfg = config_mod.load(overrides={"cache": cache, "http": http})
+    records = open_records(cfg, logging.getLogger("test"))
+    assert (records.where if records is not None else None) == opened
+
+
 # ---------------------------------------------------------------- a shared file tier
 
 
@@ -169,16 +191,24 @@ def test_a_store_that_refuses_writes_does_not_fail_the_response(
         assert err["code"] == "response_store_unavailable" and err["param"] == "previous_response_id"
         assert "could not be read" in err["message"] and "server 'alpha'" in err["message"]
         assert _store_errors(beta, "read") == reads + 1
+        deletes = _store_errors(beta, "delete")
+        err = _error(beta.request("DELETE", f"/v1/responses/{made['id']}"), 503)  # it may be there: not gone
+        assert err["code"] == "response_store_unavailable" and _store_errors(beta, "delete") == deletes + 1
     finally:
         records.unlink()
         moved.rename(records)
 
 
-def test_a_damaged_record_is_not_found(shared_fleet: tuple[Harness, Harness], shared_dir: Path):
+def test_a_damaged_record_or_another_model_s_is_not_found(shared_fleet: tuple[Harness, Harness], shared_dir: Path):
     alpha, beta = shared_fleet
     made = _create(alpha, {"input": "fleet-damaged"})
-    (shared_dir / "responses" / f"{made['id']}.rec").write_bytes(b"{not json")
+    path = shared_dir / "responses" / f"{made['id']}.rec"
+    record = json.loads(path.read_bytes())
+    path.write_bytes(b"{not json")
     assert _error(beta.request("GET", f"/v1/responses/{made['id']}"), 404)["code"] == "not_found"
+    path.write_text(json.dumps({**record, "model": "other-model"}))  # its token ids mean nothing here
+    err = _error(beta.request("GET", f"/v1/responses/{made['id']}"), 404)
+    assert "made by model 'other-model'" in err["message"] and "'fake-model'" in err["message"]
 
 
 # ---------------------------------------------------------------- no shared store
@@ -278,5 +308,5 @@ def test_redis_records_unreachable_raise_without_the_password():
     with pytest.raises(SharedStoreError) as got:
         store.get(new_response_id("a"))
     assert "hunter2" not in str(got.value) and "127.0.0.1" in str(got.value)
-    with pytest.raises(SharedStoreError):
+    with pytest.raises(SharedStoreError, match="unreachable"):  # away: not tried again at once
         store.put(new_response_id("a"), b"{}")

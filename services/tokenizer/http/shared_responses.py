@@ -23,7 +23,8 @@ record). Failures: a write that fails does not fail the response (it stays in th
 memory: counted in `himamba_responses_shared_store_errors_total{store_op="write"}` and logged); a
 read that fails is `SharedStoreError`, which the routes answer with 503 (the record may well
 exist: "not found" would be a lie a client does not retry). Every call runs in a small thread
-pool with a timeout, so a hung store delays one request, never the event loop.
+pool with a timeout, so a hung store delays one request, never the event loop; a Redis that cannot
+be reached fails the calls of the next `AWAY_S` at once (each would wait for a connect timeout).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from himamba.common.config import Config
 
 TIMEOUT_S = 5.0  # one store call, at most
+AWAY_S = 2.0  # after Redis could not be reached, calls fail at once for this long
 _REDIS_PREFIX = "himamba:responses:"
 _SUFFIX = ".rec"
 
@@ -200,14 +202,22 @@ class RedisRecords(SharedRecords):
         self._prefix = prefix
         self._meta = [prefix + "@recency", prefix + "@sizes", prefix + "@bytes"]
         self._errors = (redis.RedisError, OSError)
+        self._unreachable = (redis.ConnectionError, redis.TimeoutError, OSError)
+        # A store that is away fails calls at once until then, instead of each waiting for a connect
+        # timeout (every stored response would); the next call after it tries again.
+        self._away_until = 0.0
         self._r = redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=TIMEOUT_S)
         self._put = self._r.register_script(_PUT)
         self._delete = self._r.register_script(_DELETE)
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if time.monotonic() < self._away_until:
+            raise SharedStoreError(f"{self.where}: unreachable (tried again in at most {AWAY_S:g} s)")
         try:
             return fn(*args, **kwargs)
         except self._errors as e:
+            if isinstance(e, self._unreachable):
+                self._away_until = time.monotonic() + AWAY_S
             raise SharedStoreError(f"{self.where}: {e}") from e
 
     def put(self, response_id: str, record: bytes) -> bool:
