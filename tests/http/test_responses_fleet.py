@@ -253,6 +253,11 @@ def test_file_records_are_bounded_by_count_and_bytes(tmp_path: Path):
     assert (tmp_path / "r").stat().st_mode & 0o777 == 0o700
     assert all(p.stat().st_mode & 0o777 == 0o600 for p in (tmp_path / "r").iterdir())
     assert store.delete(ids[2]) and not store.delete(ids[2])
+    # the record just written is never the one dropped, even when another looks newer (a clock ahead)
+    one = FileRecords(tmp_path / "one", max_count=1, max_bytes=10_000)
+    one.put(ids[0], _record(0))
+    os.utime(one.dir / f"{ids[0]}.rec", (2**31, 2**31))
+    assert one.put(ids[1], _record(1)) and one.get(ids[1]) == _record(1) and one.get(ids[0]) is None
 
 
 def test_file_records_that_cannot_be_read_raise(tmp_path: Path):

@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from himamba.services.tokenizer.http.server import HttpServer
 
 _MIB = 1 << 20
+_LOG_EVERY_S = 10.0
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -125,6 +126,7 @@ class ResponsesRoutes:
         records = open_records(door_cfg, server.log)
         self.shared = SharedResponses(records) if records is not None else None
         self._errors = server.door.metrics[RESPONSES_SHARED_STORE_ERRORS]
+        self._logged: dict[str, tuple[float, int]] = {}  # op -> (when its last line was logged, failures since)
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post("/v1/responses", self.create)
@@ -189,8 +191,17 @@ class ResponsesRoutes:
         )  # fmt: skip
 
     def _count_error(self, op: str, what: str, e: Exception) -> None:
+        """Count a failed store call; log it, at most one line per operation every `_LOG_EVERY_S`
+        (a store that is down fails every response: the counter has them all)."""
         self._errors.labels(store_op=op).inc()
-        self.server.log.warning("shared response store: %s failed: %s", what, e)
+        now = time.monotonic()
+        last, quiet = self._logged.get(op, (-_LOG_EVERY_S, 0))
+        if now - last < _LOG_EVERY_S:
+            self._logged[op] = (last, quiet + 1)
+            return
+        more = f" ({quiet} more {op} failures not logged since)" if quiet else ""
+        self.server.log.warning("shared response store: %s failed: %s%s", what, e, more)
+        self._logged[op] = (now, 0)
 
     async def _share(self, response: dict[str, Any]) -> None:
         """Write a finished stored response to the shared store; a failure leaves it in this

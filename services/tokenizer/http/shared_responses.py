@@ -107,7 +107,8 @@ class FileRecords(SharedRecords):
             finally:
                 os.close(fd)
             os.replace(tmp, self._path(response_id))
-            self._prune()
+            _touch(self._path(response_id))
+            self._prune(self._path(response_id))
         except OSError as e:
             raise SharedStoreError(f"{self.where}: {e.strerror or e}") from e
         return True
@@ -116,7 +117,7 @@ class FileRecords(SharedRecords):
         path = self._path(response_id)
         try:
             data = path.read_bytes()
-            os.utime(path)  # recency for the bounds
+            _touch(path)
         except FileNotFoundError:
             return None  # never stored, dropped by the bounds, or deleted (between read and utime too)
         except OSError as e:
@@ -132,22 +133,23 @@ class FileRecords(SharedRecords):
             raise SharedStoreError(f"{self.where}: {e.strerror or e}") from e
         return True
 
-    def _prune(self) -> None:
+    def _prune(self, written: Path) -> None:
         """Drop the least recently used records beyond the bounds (other servers' too: the bounds
-        are the directory's)."""
-        kept: list[tuple[float, int, str]] = []
+        are the directory's), never the one just `written` (mtimes are coarse: it may tie)."""
+        kept: list[tuple[int, int, str]] = []
+        total = written.stat().st_size
         with os.scandir(self.dir) as entries:
             for entry in entries:
-                if entry.name.endswith(_SUFFIX):
+                if entry.name.endswith(_SUFFIX) and entry.name != written.name:
                     try:
                         st = entry.stat()
                     except FileNotFoundError:
                         continue
-                    kept.append((st.st_mtime, st.st_size, entry.path))
-        total = sum(size for _, size, _ in kept)
+                    kept.append((st.st_mtime_ns, st.st_size, entry.path))
+        total += sum(size for _, size, _ in kept)
         kept.sort()
         for _, size, path in kept:
-            if len(kept) <= self.max_count and total <= self.max_bytes:
+            if len(kept) + 1 <= self.max_count and total <= self.max_bytes:
                 break
             try:
                 os.unlink(path)
@@ -155,6 +157,13 @@ class FileRecords(SharedRecords):
                 pass  # another server dropped it first
             kept = kept[1:]
             total -= size
+
+
+def _touch(path: Path) -> None:
+    """A record's recency, for the bounds: its mtime, set to the clock's nanoseconds (the kernel's
+    own file times are coarse, so records written in one burst would tie)."""
+    now = time.time_ns()
+    os.utime(path, ns=(now, now))
 
 
 # Atomic put and bound: KEYS recency zset, sizes hash, total bytes; ARGV id, record, now, max count,
