@@ -7,14 +7,18 @@ model fingerprint and a budget of its own, and none of that fits a record looked
 front door does not ask the cache service to store it (a message round trip through a process
 that would then own records it never reads), and does not import the cache service: it opens its
 own small client of the same shared backend the operator configured for the storage tier
-(`--hicache-storage-backend`), in a namespace of its own:
+(`--hicache-storage-backend`), in a namespace of its own. The module lives with the front door,
+not in common/, because no other service reads or writes these records.
 
 - file: one file per response under `<--hicache-storage-dir>/responses/` (`<id>.rec`, written to a
   temporary name and renamed, so a reader never sees half of one; 0600, or 0640 for
   `--hicache-storage-group`). Servers sharing the directory (one host, or a shared filesystem)
   share the records. The cache's segments live in `<dir>/<model fingerprint>/` and never see them.
+  Recency is a record's mtime, set in nanoseconds; each write scans the directory to keep the
+  bounds (measured: 1-3.5 ms a write with 0-600 records of 30 KB).
 - redis: the string `himamba:responses:<id>`, with a sorted set (recency) and a hash (sizes) that a
-  Lua script keeps with it, so bounding is atomic across the servers sharing that Redis.
+  Lua script keeps with it, so bounding is atomic across the servers sharing that Redis. A Redis
+  run with `allkeys-lru` (as the KV tier suggests) may evict records before the bounds do.
 - mooncake: not used (its store is a KV-page transport); responses stay in each server's memory.
 
 Bounds: the same `--responses-store-max` (count) and `--responses-store-mib` (bytes) as the memory
