@@ -459,6 +459,13 @@ class HttpConfig(_Section):
         NonNegInt,
         doc("The stored responses' size budget in MiB (their JSON); beyond it the least recently used go first."),
     ] = 64
+    responses_store_max_age_s: Annotated[
+        NonNegInt,
+        doc(
+            "A stored response older than this (seconds since its created_at) is gone: previous_response_id and "
+            "GET answer 404, here and from the shared store; 0: no age limit."
+        ),
+    ] = 86400
     responses_shared: Annotated[
         bool,
         doc(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from himamba.common.config import HttpConfig
-from himamba.services.tokenizer.http.response_store import ResponseStore
+from himamba.services.tokenizer.http.response_store import ResponseStore, expired
 
 
 def _response(rid: str, text: str = "x") -> dict[str, object]:
@@ -52,3 +52,21 @@ def test_replace_and_delete_keep_the_byte_count():
 def test_bounds_are_in_the_config_tree():
     cfg = HttpConfig()
     assert cfg.responses_store_max == 1000 and cfg.responses_store_mib == 64
+
+
+def test_an_expired_response_is_gone_and_its_bytes_freed():
+    store = ResponseStore(max_count=10, max_bytes=1 << 20, max_age_s=60)
+    store.put("a", {**_response("a"), "created_at": 1000}, [{"t": "x"}])
+    assert store.get("a", now=1060) is not None  # exactly the limit: still kept
+    assert store.get("a", now=1061) is None
+    assert len(store) == 0 and store.bytes == 0
+
+
+def test_age_zero_is_no_limit_and_a_response_without_created_at_never_expires():
+    assert not expired({"created_at": 0}, 0, now=1e12)
+    assert not expired({"id": "x"}, 60, now=1e12)
+    assert expired({"created_at": 0}, 60, now=61)
+
+
+def test_the_age_bound_is_in_the_config_tree():
+    assert HttpConfig().responses_store_max_age_s == 86400

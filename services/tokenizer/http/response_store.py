@@ -1,5 +1,6 @@
 """The stored responses of /v1/responses (`store: true`): bounded by a count and a byte budget,
-least recently used dropped first. Owned by the HTTP front door; lost on restart, as its cache is.
+least recently used dropped first, and by an age (from the response's `created_at`, the clock
+every server of a fleet shares, so a shared record expires everywhere at once). Owned by the HTTP front door; lost on restart, as its cache is.
 
 A stored response keeps its Response object (for GET) and its input items (after any previous
 response's input and output): with its output, the conversation that the next turn's
@@ -13,6 +14,7 @@ made it (its token ids mean nothing to another model).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
@@ -61,12 +63,23 @@ def decode_record(data: bytes) -> DecodedRecord:
     return DecodedRecord(rec.model, StoredResponse(rec.response, rec.inputs, len(data), rec.tokens))
 
 
-class ResponseStore:
-    """An LRU map from response id to `StoredResponse`, within `max_count` and `max_bytes`."""
+def expired(response: dict[str, Any], max_age_s: int, now: float | None = None) -> bool:
+    """Whether a response is past `max_age_s` (0: never); one without `created_at` never is."""
+    created = response.get("created_at")
+    if max_age_s <= 0 or not isinstance(created, (int, float)):
+        return False
+    return (time.time() if now is None else now) - created > max_age_s
 
-    def __init__(self, max_count: int, max_bytes: int):
+
+class ResponseStore:
+    """An LRU map from response id to `StoredResponse`, within `max_count`, `max_bytes` and
+    `max_age_s`. An expired response is dropped when it is next looked up (until then it is just
+    an entry the count and byte bounds push out like any other)."""
+
+    def __init__(self, max_count: int, max_bytes: int, max_age_s: int = 0):
         self.max_count = max_count
         self.max_bytes = max_bytes
+        self.max_age_s = max_age_s
         self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
         self.bytes = 0
 
@@ -95,11 +108,16 @@ class ResponseStore:
         self.bytes += size
         return True
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        """The kept response (now the most recently used), or None."""
+    def get(self, response_id: str, now: float | None = None) -> StoredResponse | None:
+        """The kept response (now the most recently used), or None (also when it has expired:
+        then it is dropped)."""
         found = self._kept.get(response_id)
-        if found is not None:
-            self._kept.move_to_end(response_id)
+        if found is None:
+            return None
+        if expired(found.response, self.max_age_s, now):
+            self.delete(response_id)
+            return None
+        self._kept.move_to_end(response_id)
         return found
 
     def delete(self, response_id: str) -> bool:

@@ -45,6 +45,7 @@ from himamba.services.tokenizer.http.response_store import (
     StoredResponse,
     decode_record,
     encode_record,
+    expired,
 )
 from himamba.services.tokenizer.http.responses_body import (
     ResponsesBody,
@@ -119,7 +120,9 @@ class ResponsesRoutes:
     def __init__(self, server: HttpServer):
         self.server = server
         cfg = server.cfg
-        self.store = ResponseStore(cfg.responses_store_max, cfg.responses_store_mib * _MIB)
+        self.store = ResponseStore(
+            cfg.responses_store_max, cfg.responses_store_mib * _MIB, cfg.responses_store_max_age_s
+        )
         self._background: dict[str, asyncio.Task[None]] = {}  # running background responses by id
         door_cfg = server.door.cfg
         self.server_name = server_name(door_cfg.endpoints.instance, cfg.port)
@@ -171,6 +174,8 @@ class ResponsesRoutes:
                 except ValueError as e:  # not a record (another version, or damaged): as if absent
                     self.server.log.warning("shared response %s is unreadable: %s", response_id, e)
                 else:
+                    if expired(record.stored.response, self.store.max_age_s):
+                        raise _not_found(response_id, param)
                     if record.model == self.server.door.model_name:
                         return record.stored
                     raise _not_found(
