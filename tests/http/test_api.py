@@ -410,6 +410,8 @@ def test_stop_reason_and_matched_stop_say_what_stopped_the_answer(harness: Harne
         ({"5": -250}, "logit_bias[5]: -250.0 is out of range [-100, 100]"),
         ({str(i): 1 for i in range(301)}, "logit_bias: at most 300 tokens, got 301"),
         ({"99999999": 1}, "logit_bias: token id 99999999 is out of range [0, "),
+        ({"1" * 5000: 1}, "logit_bias: token id 1111"),  # past int()'s digit limit: a 400, not a 500
+        ({"9" * 30: 1}, "logit_bias: token id 9999"),  # past 64 bits
         ({"5": "high"}, "Expected `float`, got `str` - at `$.logit_bias"),
     ],
 )

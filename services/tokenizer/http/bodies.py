@@ -116,6 +116,10 @@ def _check_common(body: _Body) -> None:
     logit_bias_of(body.logit_bias)
 
 
+# A logit_bias key longer than this is no token id (and past 4,300 digits int() refuses to parse it).
+_MAX_ID_DIGITS = 18
+
+
 def logit_bias_of(raw: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's `logit_bias` (token ids as strings) as token ids; its size and values are checked
     with the other sampling ranges (`SamplingParams.validate`), its ids against the vocabulary."""
@@ -123,6 +127,9 @@ def logit_bias_of(raw: dict[str, float] | None) -> dict[int, float]:
     for key, value in (raw or {}).items():
         if not (key.isascii() and key.isdigit()):
             raise ApiError(400, f"logit_bias: keys are token ids, got {key!r}", param="logit_bias")
+        if len(key) > _MAX_ID_DIGITS:  # no vocabulary is this large; int() of it may not even parse
+            shown = key if len(key) <= 24 else f"{key[:20]}... ({len(key)} digits)"
+            raise ApiError(400, f"logit_bias: token id {shown} is out of range", param="logit_bias")
         out[int(key)] = float(value)
     return out
 
