@@ -412,6 +412,7 @@ def test_stop_reason_and_matched_stop_say_what_stopped_the_answer(harness: Harne
         ({"99999999": 1}, "logit_bias: token id 99999999 is out of range [0, "),
         ({"1" * 5000: 1}, "logit_bias: token id 1111"),  # past int()'s digit limit: a 400, not a 500
         ({"9" * 30: 1}, "logit_bias: token id 9999"),  # past 64 bits
+        ({"5": 100, "05": -100}, "logit_bias: keys '5' and '05' are the same token id 5"),  # which bias?
         ({"5": "high"}, "Expected `float`, got `str` - at `$.logit_bias"),
     ],
 )

@@ -124,13 +124,20 @@ def logit_bias_of(raw: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's `logit_bias` (token ids as strings) as token ids; its size and values are checked
     with the other sampling ranges (`SamplingParams.validate`), its ids against the vocabulary."""
     out: dict[int, float] = {}
+    keys: dict[int, str] = {}
     for key, value in (raw or {}).items():
         if not (key.isascii() and key.isdigit()):
             raise ApiError(400, f"logit_bias: keys are token ids, got {key!r}", param="logit_bias")
         if len(key) > _MAX_ID_DIGITS:  # no vocabulary is this large; int() of it may not even parse
             shown = key if len(key) <= 24 else f"{key[:20]}... ({len(key)} digits)"
             raise ApiError(400, f"logit_bias: token id {shown} is out of range", param="logit_bias")
-        out[int(key)] = float(value)
+        token = int(key)
+        if token in keys:  # "5" and "05": one of the two biases would be dropped unseen
+            raise ApiError(
+                400, f"logit_bias: keys {keys[token]!r} and {key!r} are the same token id {token}", param="logit_bias"
+            )
+        keys[token] = key
+        out[token] = float(value)
     return out
 
 
