@@ -243,6 +243,14 @@ RECORDED: list[Case] = [
         },
     ),
     (
+        # An escaped quote just before the closing triple quote: Python reads `a"`, then the call ends.
+        "pythonic_escaped_quote_before_closing_triple_quote",
+        "pythonic",
+        False,
+        "[get_weather(city=\"\"\"a\\\"\"\"\"), get_weather(city='''b\\'''')]",
+        {"content": None, "calls": [("get_weather", {"city": 'a"'}), ("get_weather", {"city": "b'"})]},
+    ),
+    (
         "pythonic_plain_answer",
         "pythonic",
         False,

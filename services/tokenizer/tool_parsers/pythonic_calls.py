@@ -35,7 +35,7 @@ class PythonicCallScanner:
         self._call_start = 0
         self._stack: list[str] = []  # the closing brackets expected inside the call
         self._quote = ""  # the quote of the string being read (one character, or three)
-        self._body_at = 0  # where that string's text begins
+        self._body_at = 0  # where that string's closing quotes may begin: its text, then past each escape
         self._esc = False
 
     def text_from(self, pos: int) -> str:
@@ -85,6 +85,7 @@ class PythonicCallScanner:
         if self._quote:
             if self._esc:
                 self._esc = False
+                self._body_at = i + 1  # an escaped quote is text: it cannot be one of the closing three
             elif c == "\\":
                 self._esc = True
             elif (len(self._quote) == 1 and c == self._quote) or (
