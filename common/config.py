@@ -568,8 +568,10 @@ def load(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | 
     for section, fields in (overrides or {}).items():
         raw.setdefault(section, {}).update(fields)
     cache = raw.get("cache")
-    if isinstance(cache, dict) and cache.get("hicache_storage_dir") and cache.get("hicache_storage_backend") in (None, "none"):
-        cache["hicache_storage_backend"] = "file"  # a directory is the opt-in to the disk tier
+    if isinstance(cache, dict) and cache.get("hicache_storage_dir") and "hicache_storage_backend" not in cache:
+        # A directory is the opt-in to the disk tier; a backend named anywhere (even "none": the
+        # operator's opt-out) is never overridden by it.
+        cache["hicache_storage_backend"] = "file"
     try:
         cfg = msgspec.convert(raw, Config)
     except msgspec.ValidationError as e:

@@ -236,3 +236,7 @@ def test_the_disk_tier_is_off_unless_a_backend_or_a_directory_asks_for_it(tmp_pa
     toml = tmp_path / "c.toml"
     toml.write_text(f'[cache]\nhicache_storage_dir = "{tmp_path}"\n')
     assert config_from_args(argparse.Namespace(config=str(toml))).cache.hicache_storage_backend == "file"
+    # An explicit "none" is the operator's opt-out: a directory (here or in the file) never overrides it.
+    off = ["--hicache-storage-backend", "none", "--hicache-storage-dir", str(tmp_path)]
+    assert _parse(off).cache.hicache_storage_backend == "none"
+    assert _parse(["--config", str(toml), "--hicache-storage-backend", "none"]).cache.hicache_storage_backend == "none"
