@@ -29,7 +29,7 @@ class Signature(NamedTuple):
 
 def _argument(param: str, where: str) -> type:
     decl = " ".join(param.replace("*", " * ").split())
-    if "*" in decl:
+    if "*" in decl or "[" in decl:  # an array parameter (`float x[]`) is a pointer in C
         return ctypes.c_void_p
     words = [w for w in decl.split() if w != "const"]
     if len(words) != 2 or words[0] not in _SCALARS:

@@ -44,6 +44,14 @@ def test_only_hm_definitions_count_and_declarations_span_lines(tmp_path) -> None
     }
 
 
+def test_an_array_parameter_is_a_pointer(tmp_path) -> None:
+    """C reads `float x[]` (and `x[restrict]`, `x[static 4]`) as a pointer: bound as a float it would
+    pass a number where the kernel reads memory."""
+    src = tmp_path / "k.c"
+    src.write_text("void hm_rows_f32(const float x[], int64_t n, float out[restrict], int64_t s[static 4]) {}\n")
+    assert read_signatures([src]) == {"hm_rows_f32": Signature((P, I64, P, P), None)}
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
