@@ -21,7 +21,7 @@ import os
 import resource
 import time
 import traceback
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -157,6 +157,9 @@ class TokenizerService(Actor[ToTokenizer]):
         # spec_key -> (the grammar, resolved when the worker built it)
         self._grammar_waiters: dict[bytes, tuple[PrepareGrammar, asyncio.Future[None]]] = {}
         self._clients: ClientSocket | None = None
+        # identity -> its messages not served yet, and the tasks serving them (_queue_client_event)
+        self._client_queues: dict[bytes, deque[ClientMessage | ClientGone]] = {}
+        self._client_tasks: set[asyncio.Task[None]] = set()
         self._decoder: Decoder[Any] = Decoder(ClientRequest)
         self._encoder = msgspec.msgpack.Encoder()
         self._next_auto_rid = 0
@@ -212,11 +215,32 @@ class TokenizerService(Actor[ToTokenizer]):
         if self.cfg.log.stats_interval_s:
             self.spawn(self._log_stats(self.cfg.log.stats_interval_s), "stats")
         while True:
-            event = await self._clients.recv()
-            if isinstance(event, ClientGone):
-                await self._on_client_gone(event.identity)
-            else:
-                await self._on_client_message(event)
+            self._queue_client_event(await self._clients.recv())
+
+    def _queue_client_event(self, event: ClientMessage | ClientGone) -> None:
+        """Serve each ZeroMQ client's messages in its own order, apart from other clients': a
+        request waiting for its grammar's build (seconds, up to GRAMMAR_READY_TIMEOUT_S) holds only
+        its own client's later messages, never every client's."""
+        queue = self._client_queues.get(event.identity)
+        if queue is not None:
+            queue.append(event)
+            return
+        queue = self._client_queues[event.identity] = deque([event])
+        task = asyncio.get_running_loop().create_task(self._serve_client(event.identity, queue))
+        self._client_tasks.add(task)
+        task.add_done_callback(self._client_tasks.discard)
+        task.add_done_callback(self._task_done)  # an unexpected failure is fatal, as a spawned task's
+
+    async def _serve_client(self, identity: bytes, queue: deque[ClientMessage | ClientGone]) -> None:
+        try:
+            while queue:
+                event = queue.popleft()
+                if isinstance(event, ClientGone):
+                    await self._on_client_gone(identity)
+                else:
+                    await self._on_client_message(event)
+        finally:
+            del self._client_queues[identity]
 
     async def _watch_peers(self) -> None:
         """Log what the front door waits for: at start, when a service goes away, and again
@@ -268,6 +292,10 @@ class TokenizerService(Actor[ToTokenizer]):
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
+        # The client loop is stopped: so is what it was serving (as when it served inline).
+        for task in list(self._client_tasks):
+            task.cancel()
+        await asyncio.gather(*self._client_tasks, return_exceptions=True)
         # Tell clients still waiting that no answer is coming, rather than leaving them hanging,
         # and the scheduler to free what they hold (it may be stopping too: best effort).
         told: set[tuple[bytes, str]] = set()

@@ -95,3 +95,43 @@ def test_a_grammar_request_waits_for_the_worker_and_a_restarted_worker_is_asked_
     finally:
         scheduler.close()
         ctx.destroy(linger=0)
+
+
+def test_a_request_waiting_for_its_grammar_holds_no_other_client(model_dir: Path, demo_tokenizer: Tokenizer) -> None:
+    """While one ZeroMQ client's constrained request waits for the worker's build (seconds on a
+    large schema, up to GRAMMAR_READY_TIMEOUT_S), another client's plain request is served: the
+    door's client loop does not wait on one client's build. Client B's own timeout (far under the
+    door's 60 s wait) is what fails when it does."""
+    cfg = service_config(model_dir, MAX_CONTEXT_LEN)
+    scheduler = FakeScheduler(cfg, demo_tokenizer, REPLY_TEXT, CACHED)
+    ctx = zmq.Context()
+    worker_in = ctx.socket(zmq.PULL)
+    worker_in.bind(cfg.endpoints.worker_ipc)
+    to_door = ctx.socket(zmq.PUSH)
+    to_door.connect(cfg.endpoints.tokenizer_ipc)
+    decode = msgspec.msgpack.Decoder(ToWorker).decode
+    grammar = GrammarSpec(kind="regex", spec="[a-z]+")
+    try:
+        with (
+            running_service(cfg),
+            Client(cfg.endpoints.zmq_endpoint, timeout_s=60) as a,
+            Client(cfg.endpoints.zmq_endpoint, timeout_s=20) as b,
+        ):
+            to_door.send(msgspec.msgpack.encode(_info(demo_tokenizer, pid=101)))
+            _wait_until_the_door_knows_the_worker(a)
+            got: list[object] = []
+            asking = threading.Thread(
+                target=lambda: got.append(a.generate(input_ids=[5, 6, 7], max_tokens=3, grammar=grammar))
+            )
+            asking.start()
+            while not (worker_in.poll(200) and isinstance(decode(worker_in.recv()), PrepareGrammar)):
+                pass  # A's request now waits for the build
+            plain = b.generate(input_ids=[8, 9], max_tokens=2)  # served while A waits
+            assert plain.finish_reason == "length" and len(plain.token_ids) == 2
+            assert got == []  # A is still held: nothing of it reached the scheduler yet
+            to_door.send(msgspec.msgpack.encode(GrammarReady(key=spec_key(grammar))))
+            asking.join(60)
+            assert len(got) == 1 and len(got[0].token_ids) == 3  # type: ignore[attr-defined]
+    finally:
+        scheduler.close()
+        ctx.destroy(linger=0)
