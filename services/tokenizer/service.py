@@ -160,6 +160,7 @@ class TokenizerService(Actor[ToTokenizer]):
         # identity -> its messages not served yet, and the tasks serving them (_queue_client_event)
         self._client_queues: dict[bytes, deque[ClientMessage | ClientGone]] = {}
         self._client_tasks: set[asyncio.Task[None]] = set()
+        self._admitting: set[tuple[bytes, str]] = set()  # (identity, rid) accepted, not yet queued
         self._decoder: Decoder[Any] = Decoder(ClientRequest)
         self._encoder = msgspec.msgpack.Encoder()
         self._next_auto_rid = 0
@@ -280,18 +281,20 @@ class TokenizerService(Actor[ToTokenizer]):
         """
         self._draining = True
         deadline = time.monotonic() + timeout_s
-        self._drained_from = self.table.request_count()
+        self._drained_from = self.table.request_count() + len(self._admitting)
         if self._cache is not None:  # its flush of pending backups gets what this drain leaves
             try:
                 await self._cache.send(Draining(deadline=time.time() + timeout_s))
             except Exception as e:  # noqa: BLE001 - the cache may be gone: it then flushes by its own clock
                 self.log.debug("could not tell the cache the stop's deadline: %r", e)
-        if self.table:
+        if self._drained_from:
             self.log.info("draining: waiting up to %.1fs for %d request(s)", timeout_s, self._drained_from)
-        while self.table and time.monotonic() < deadline:
+        while (self.table or self._admitting) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
+        # Requests accepted but not queued yet (waiting for their grammar): answered 503 below.
+        admitting = set(self._admitting)
         # The client loop is stopped: so is what it was serving (as when it served inline).
         for task in list(self._client_tasks):
             task.cancel()
@@ -299,7 +302,7 @@ class TokenizerService(Actor[ToTokenizer]):
         # Tell clients still waiting that no answer is coming, rather than leaving them hanging,
         # and the scheduler to free what they hold (it may be stopping too: best effort).
         told: set[tuple[bytes, str]] = set()
-        aborted = self.table.request_count()
+        aborted = self.table.request_count() + len(admitting)
         if self._drained_from is not None:  # one line for the operator: what the stop did to clients
             summary = (
                 f"{self._drained_from} request(s) in flight at SIGTERM, "
@@ -318,6 +321,11 @@ class TokenizerService(Actor[ToTokenizer]):
                     reply = ErrorReply(message="server shutting down", rid=entry.client_rid, code=503)
                     await self._reply(entry.identity, reply)
                 await self._send_scheduler(AbortRequest(rid=entry.rid))
+            except Exception:  # shutting down: best effort
+                pass
+        for identity, client_rid in admitting - told:
+            try:
+                await self._reply(identity, ErrorReply(message="server shutting down", rid=client_rid, code=503))
             except Exception:  # shutting down: best effort
                 pass
         if self._http is not None:
@@ -615,21 +623,28 @@ class TokenizerService(Actor[ToTokenizer]):
             await self._reply(identity, error)
             return
         # --default-max-tokens when set, else generation_config.json's max_new_tokens, else (0) the context.
+        # In flight from here, though in the table only once queued: the drain waits for it and the
+        # stop answers it 503 while its grammar is checked and built (seconds).
+        admitting = (identity, client_rid)
+        self._admitting.add(admitting)
         try:
-            prepared = prepare_request(req, self._loaded.tokenizer, self._limits())
-            self._check_samples_fit(req.sampling.n)
-            lowered = ""
-            if req.sampling.grammar is not None:  # off the loop; a 400 before queueing
-                lowered = await self._grammars.check(req.sampling.grammar)
-        except ValueError as e:
-            await self._reply(identity, ErrorReply(message=str(e), rid=client_rid, code=400))
-            return
-        if req.sampling.grammar is not None:
-            if self.table.in_flight(identity, client_rid):  # the same rid arrived while we checked
-                error = ErrorReply(message=f"rid {client_rid!r} is already in flight", rid=client_rid, code=409)
-                await self._reply(identity, error)
+            try:
+                prepared = prepare_request(req, self._loaded.tokenizer, self._limits())
+                self._check_samples_fit(req.sampling.n)
+                lowered = ""
+                if req.sampling.grammar is not None:  # off the loop; a 400 before queueing
+                    lowered = await self._grammars.check(req.sampling.grammar)
+            except ValueError as e:
+                await self._reply(identity, ErrorReply(message=str(e), rid=client_rid, code=400))
                 return
-            await self._grammar_built(req.sampling.grammar, lowered)
+            if req.sampling.grammar is not None:
+                if self.table.in_flight(identity, client_rid):  # the same rid arrived while we checked
+                    error = ErrorReply(message=f"rid {client_rid!r} is already in flight", rid=client_rid, code=409)
+                    await self._reply(identity, error)
+                    return
+                await self._grammar_built(req.sampling.grammar, lowered)
+        finally:
+            self._admitting.discard(admitting)  # no await from here until it is in the table
         n = req.sampling.n
         adds = sample_requests(
             [internal_rid(identity, client_rid, i) for i in range(n)],

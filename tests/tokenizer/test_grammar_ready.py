@@ -4,6 +4,7 @@ a fake scheduler and a fake worker that answers when the test says so."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from pathlib import Path
@@ -132,6 +133,47 @@ def test_a_request_waiting_for_its_grammar_holds_no_other_client(model_dir: Path
             to_door.send(msgspec.msgpack.encode(GrammarReady(key=spec_key(grammar))))
             asking.join(60)
             assert len(got) == 1 and len(got[0].token_ids) == 3  # type: ignore[attr-defined]
+    finally:
+        scheduler.close()
+        ctx.destroy(linger=0)
+
+
+def test_sigterm_while_a_request_waits_for_its_grammar_answers_it_503(
+    model_dir: Path, demo_tokenizer: Tokenizer
+) -> None:
+    """A constrained request accepted before SIGTERM but still waiting for the worker's build is
+    in flight: the drain counts it and the stop answers it 503, as any request still running (it is
+    not yet in the request table, so it used to be dropped silently: its client waited forever)."""
+    cfg = service_config(model_dir, MAX_CONTEXT_LEN, http={"shutdown_timeout_s": 0.5})
+    scheduler = FakeScheduler(cfg, demo_tokenizer, REPLY_TEXT, CACHED)
+    ctx = zmq.Context()
+    worker_in = ctx.socket(zmq.PULL)
+    worker_in.bind(cfg.endpoints.worker_ipc)
+    to_door = ctx.socket(zmq.PUSH)
+    to_door.connect(cfg.endpoints.tokenizer_ipc)
+    decode = msgspec.msgpack.Decoder(ToWorker).decode
+    grammar = GrammarSpec(kind="regex", spec="[a-z]+")
+    try:
+        with running_service(cfg) as proc, Client(cfg.endpoints.zmq_endpoint, timeout_s=30) as c:
+            to_door.send(msgspec.msgpack.encode(_info(demo_tokenizer, pid=101)))
+            _wait_until_the_door_knows_the_worker(c)
+            got: list[object] = []
+
+            def ask() -> None:
+                try:
+                    got.append(c.generate(input_ids=[5, 6, 7], max_tokens=3, grammar=grammar))
+                except (HimambaError, TimeoutError) as e:
+                    got.append(e)
+
+            asking = threading.Thread(target=ask)
+            asking.start()
+            while not (worker_in.poll(200) and isinstance(decode(worker_in.recv()), PrepareGrammar)):
+                pass  # the request waits for the build, which never comes
+            proc.send_signal(signal.SIGTERM)
+            asking.join(60)
+            assert len(got) == 1 and isinstance(got[0], HimambaError), got
+            assert "shutting down" in str(got[0])
+            assert proc.wait(30) == 0
     finally:
         scheduler.close()
         ctx.destroy(linger=0)
