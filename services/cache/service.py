@@ -86,6 +86,10 @@ def storage_pool_bytes(backend: Any) -> dict[str, tuple[int, int]]:
 # What a flush at shutdown leaves before the stop's deadline: cancelling the rest and joining the
 # running backups' last write.
 FLUSH_MARGIN_S = 0.5
+# A Draining deadline that passed longer ago than this when the cache's own stop begins was a stop of
+# the front door alone (restarted, the cache up all along): it bounds nothing now. The launcher
+# stops the back end as soon as the front door exits, well within this of the deadline.
+STALE_DRAINING_S = 60.0
 
 
 class StorageClosed(NamedTuple):
@@ -266,7 +270,9 @@ class CacheService(Actor[ToCache]):
             return
         done, pages = self._backups_done(io.stats())
         self._flush_from = (time.monotonic(), done, pages)
-        left = timeout_s if self._stop_by is None else min(timeout_s, self._stop_by - time.time())
+        left = timeout_s
+        if self._stop_by is not None and time.time() - self._stop_by < STALE_DRAINING_S:
+            left = min(timeout_s, self._stop_by - time.time())
         deadline = time.monotonic() + max(0.0, left - FLUSH_MARGIN_S)
         while io.pending_backups() and time.monotonic() < deadline:
             self._storage_work.set()  # the poll task finalises what completes
