@@ -6,11 +6,13 @@ does not fail the response, and a store that cannot be read is a 503 naming the 
 
 from __future__ import annotations
 
+import grp
 import json
 import logging
 import os
 import re
 import shutil
+import stat
 import subprocess
 import time
 from collections.abc import Iterator
@@ -258,6 +260,24 @@ def test_file_records_are_bounded_by_count_and_bytes(tmp_path: Path):
     one.put(ids[0], _record(0))
     os.utime(one.dir / f"{ids[0]}.rec", (2**31, 2**31))
     assert one.put(ids[1], _record(1)) and one.get(ids[1]) == _record(1) and one.get(ids[0]) is None
+
+
+def test_file_records_directories_get_their_modes_whatever_the_umask(tmp_path: Path):
+    """Every directory the store creates (parents included) is 0700, or 0750 and the group's for
+    --hicache-storage-group, as the cache's own: not 0777 under an open umask (others could plant
+    files), not 0700 under umask 077 when a group was asked to read."""
+    group = grp.getgrgid(1 if os.geteuid() == 0 else os.getegid())  # root may give files to any group
+    for umask, top, name in ((0, "open", ""), (0o077, "tight", group.gr_name)):
+        old = os.umask(umask)
+        try:
+            store = FileRecords(tmp_path / top / "store" / "responses", max_count=2, max_bytes=10_000, group=name)
+            assert store.put(new_response_id("a"), _record(0))
+        finally:
+            os.umask(old)
+    for top, want in (("open", (0o700, None)), ("tight", (0o750, group.gr_gid))):
+        for d in (tmp_path / top, tmp_path / top / "store", tmp_path / top / "store" / "responses"):
+            st = d.stat()
+            assert (stat.S_IMODE(st.st_mode), want[1] and st.st_gid) == want, (d, oct(st.st_mode))
 
 
 def test_file_records_that_cannot_be_read_raise(tmp_path: Path):

@@ -96,9 +96,7 @@ class FileRecords(SharedRecords):
             return False
         try:
             if not self.dir.is_dir():
-                self.dir.mkdir(mode=self._dir_mode, parents=True, exist_ok=True)
-                if self._gid >= 0:
-                    os.chown(self.dir, -1, self._gid)
+                self._make_dirs()
             tmp = self.dir / f".{response_id}.{secrets.token_hex(4)}.tmp"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self._file_mode)
             try:
@@ -116,6 +114,25 @@ class FileRecords(SharedRecords):
         except OSError as e:
             raise SharedStoreError(f"{self.where}: {e.strerror or e}") from e
         return True
+
+    def _make_dirs(self) -> None:
+        """mkdir -p, each directory made here given the directory mode and group whatever the umask
+        (mkdir's parents=True would leave the parents at 0777 less the umask); one that another
+        process made first keeps its own. The cache's file backend makes its directories the same
+        way (cache/storage/file_modes.py; a service package does not import another's)."""
+        missing = []
+        d = self.dir
+        while not d.exists() and d.parent != d:
+            missing.append(d)
+            d = d.parent
+        for d in reversed(missing):
+            try:
+                d.mkdir(mode=self._dir_mode)
+            except FileExistsError:  # another server made it first
+                continue
+            if self._gid >= 0:
+                os.chown(d, -1, self._gid)
+            os.chmod(d, self._dir_mode)
 
     def get(self, response_id: str) -> bytes | None:
         path = self._path(response_id)
