@@ -280,6 +280,24 @@ def test_file_records_directories_get_their_modes_whatever_the_umask(tmp_path: P
             assert (stat.S_IMODE(st.st_mode), want[1] and st.st_gid) == want, (d, oct(st.st_mode))
 
 
+def test_a_file_record_write_that_fails_leaves_no_temporary_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A full disk fails the write: the half-written temporary goes too (the bounds count only
+    records, so a left one would hold its space for good)."""
+    import errno
+
+    store = FileRecords(tmp_path / "r", max_count=2, max_bytes=10_000)
+    assert store.put(new_response_id("a"), _record(0))
+
+    def full(fd: int, data: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shared_responses.os, "write", full)
+    with pytest.raises(SharedStoreError, match="No space left"):
+        store.put(new_response_id("a"), _record(1))
+    monkeypatch.undo()
+    assert [p.suffix for p in store.dir.iterdir()] == [".rec"]
+
+
 def test_file_records_that_cannot_be_read_raise(tmp_path: Path):
     (tmp_path / "r").write_text("a file")
     store = FileRecords(tmp_path / "r", max_count=2, max_bytes=10_000)

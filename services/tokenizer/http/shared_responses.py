@@ -100,15 +100,19 @@ class FileRecords(SharedRecords):
             tmp = self.dir / f".{response_id}.{secrets.token_hex(4)}.tmp"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self._file_mode)
             try:
-                if self._gid >= 0:
-                    os.fchown(fd, -1, self._gid)
-                os.fchmod(fd, self._file_mode)  # whatever the umask
-                view = memoryview(record)
-                while view:
-                    view = view[os.write(fd, view) :]
-            finally:
-                os.close(fd)
-            os.replace(tmp, self._path(response_id))
+                try:
+                    if self._gid >= 0:
+                        os.fchown(fd, -1, self._gid)
+                    os.fchmod(fd, self._file_mode)  # whatever the umask
+                    view = memoryview(record)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                finally:
+                    os.close(fd)
+                os.replace(tmp, self._path(response_id))
+            except OSError:
+                tmp.unlink(missing_ok=True)  # the bounds count records only: a left temporary would stay
+                raise
             _touch(self._path(response_id))
             self._prune(self._path(response_id))
         except OSError as e:
