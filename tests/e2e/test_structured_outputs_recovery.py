@@ -18,23 +18,20 @@ DIGITS = r"[0-9]{100}"  # 50 to 100 tokens with the demo vocabulary: enough to b
 
 
 def test_constrained_requests_retracted_under_memory_pressure_still_match(server_factory, model_dir):
-    # 24 pages of KV for six requests that need ~12 pages each at the end: decode must retract.
+    # Six samples of one request are admitted together, on 16 pages of KV: their shared prompt (6
+    # pages) and six answers of 50 to 100 tokens outgrow the pool, so decode must retract whenever
+    # the request arrives (six separate requests could arrive spread out on a loaded machine and
+    # run one after another, which once left nothing to retract).
     server = server_factory(
-        model_dir, "--max-total-tokens", "384", "--max-context-len", "384", "--max-mamba-cache-size", "24",
+        model_dir, "--max-total-tokens", "256", "--max-context-len", "256", "--max-mamba-cache-size", "24",
         "--mamba-track-interval", str(PAGE),
     )  # fmt: skip
-    prompts = [random_tokens(90 + 7 * i, seed=700 + i) for i in range(6)]
+    prompt = random_tokens(90, seed=700)
     grammar = GrammarSpec(kind="regex", spec=DIGITS)
 
     async def run():
         async with AsyncClient(server.endpoint) as c:
-            # Built first: a grammar's first requests are queued together once the worker has built
-            # it (GrammarReady), and arriving at once they may fit without the pressure wanted here.
-            await c.generate(input_ids=prompts[0][:8], max_tokens=1, grammar=grammar)
-            return await asyncio.gather(
-                *(c.generate(input_ids=p, max_tokens=150, temperature=1.0, seed=i, grammar=grammar)
-                  for i, p in enumerate(prompts))
-            )  # fmt: skip
+            return await c.generate_n(input_ids=prompt, n=6, max_tokens=110, temperature=1.0, seed=1, grammar=grammar)
 
     outs = asyncio.run(run())
     assert "retracting" in server.log()
