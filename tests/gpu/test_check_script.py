@@ -5,6 +5,7 @@ first on a GPU."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +17,16 @@ CHECK = ROOT / "scripts" / "gpu" / "check.sh"
 STEPS = ["install", "env", "kernels", "parity", "serve", "throughput", "copies"]
 
 sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
-import check_record  # noqa: E402
+import check_record
 
 
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(CHECK), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    # What is under test is the script, not this machine's speed: the rehearsal's step limits are
+    # stretched (a step once ran out of time on CPU cores that a whole suite was sharing).
+    env = {**os.environ, "HIMAMBA_CHECK_REHEARSAL_SCALE": "40"}
+    return subprocess.run(
+        ["bash", str(CHECK), *args], check=False, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def _check_lines(stdout: str) -> dict[str, str]:
@@ -37,7 +43,7 @@ def test_dry_run_prints_every_step_as_skip(tmp_path):
 
 @pytest.mark.slow
 def test_rehearsal_runs_every_step_on_the_cpu(tmp_path):
-    r = _run("--rehearse", str(tmp_path), timeout=900)
+    r = _run("--rehearse", str(tmp_path), timeout=3600)
     lines = _check_lines(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr
     assert lines == {
