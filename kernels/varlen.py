@@ -25,8 +25,8 @@ class Varlen(NamedTuple):
 
     new_lens: tuple[int, ...]  # [B] new tokens per sequence
     prefix_lens: tuple[int, ...]  # [B] tokens before them (cached KV / state in the slot)
-    # Per sequence, (offset, slot) sorted by offset, 1 <= offset < new_len: copy the state after
-    # `offset` new tokens into `slot`.
+    # Per sequence, (offset, slot) sorted by offset, 1 <= offset <= new_len: copy the state after
+    # `offset` new tokens into `slot` (at new_len: a copy of the final state).
     captures: tuple[tuple[tuple[int, int], ...], ...]
     cu_seqlens: Tensor  # [B + 1] int64
     prefix: Tensor  # [B] int64, prefix_lens on the device
@@ -56,14 +56,14 @@ def make_varlen(
     device: torch.device,
 ) -> Varlen:
     """The layout of a packed batch; `captures[b]` lists (offset, slot) pairs of sequence b (any order;
-    offsets outside 1..new_len-1 are refused: the final state goes to the sequence's own slot)."""
+    offsets outside 1..new_len are refused)."""
     if len(prefix_lens) != len(new_lens) or (captures and len(captures) != len(new_lens)):
         raise ValueError(f"{len(new_lens)} sequences, {len(prefix_lens)} prefix lengths, {len(captures)} capture lists")
     caps: list[tuple[tuple[int, int], ...]] = []
     for b, n in enumerate(new_lens):
         got = tuple(sorted((int(o), int(s)) for o, s in (captures[b] if captures else ())))
-        if any(not (1 <= o < n) for o, _ in got):
-            raise ValueError(f"sequence {b}: capture offsets must lie in 1..{n - 1}, got {[o for o, _ in got]}")
+        if any(not (1 <= o <= n) for o, _ in got):
+            raise ValueError(f"sequence {b}: capture offsets must lie in 1..{n}, got {[o for o, _ in got]}")
         caps.append(got)
     num = len(new_lens)
     cu_seqlens = [0]

@@ -574,8 +574,8 @@ def model_prefill_decode(architecture: str) -> int:
 VARLEN_LENS = [5, 40, 19]
 VARLEN_PREFIX = [0, 16, 3]
 VARLEN_SLOTS = [7, 2, 5]
-VARLEN_CAPTURES = [[(4, 0)], [(15, 1), (16, 3), (17, 4), (23, 6), (32, 8)], [(1, 9), (18, 10), (18, 11)]]
-VARLEN_POOL = 12
+VARLEN_CAPTURES = [[(4, 0), (5, 12)], [(15, 1), (16, 3), (17, 4), (23, 6), (32, 8)], [(1, 9), (18, 10), (18, 11)]]
+VARLEN_POOL = 14
 
 
 def _varlen(layout: str) -> tuple[Any, torch.Tensor]:
