@@ -80,12 +80,12 @@ def _model(arch: str, experts: int | None):
     return model.eval()
 
 
-def _counted(engine, mode: str, seqs, tokens) -> dict[str, int]:
+def _counted(engine, mode: str, seqs, tokens, captures=None) -> dict[str, int]:
     from himamba.bench.forward import StepTimes
     from himamba.services.worker.launch_count import LaunchCount
 
     count = LaunchCount()
-    engine.step(mode, seqs, tokens, StepTimes(), around=count)  # the worker's part: RunBatch in, tokens out
+    engine.step(mode, seqs, tokens, StepTimes(), around=count, captures=captures)  # RunBatch in, tokens out
     got = count.result()
     reads = [s for s in got.syncs if s.op == _TOKEN_READ[0] and s.where.startswith(_TOKEN_READ[1])]
     return {"launches": got.launches, "syncs": len(got.syncs) - len(reads), "token_reads": len(reads)}
@@ -99,10 +99,12 @@ def measure(arch: str, experts: int | None, batches: list[int], prefill_seqs: li
     most = max(batches + prefill_seqs)
     out: dict[str, Any] = {"arch": arch, "experts": experts, "decode": {}, "prefill": {}}
     for n in prefill_seqs:
-        engine = OurEngine(model, page_size=16, max_tokens=most * 64, max_seqs=2 * most + 2)
+        engine = OurEngine(model, page_size=16, max_tokens=most * 64, max_seqs=3 * most + 2)
         seqs = [engine.new_seq() for _ in range(n)]
+        # Two captures per sequence, as the cache asks of a prompt: at a page boundary and inside a page.
+        captures = [[(16, engine.take_slot()), (21, engine.take_slot())] for _ in range(n)]
         out["prefill"][str(n)] = _counted(
-            engine, "prefill", seqs, [[(5 * i + j) % 500 + 1 for j in range(24)] for i in range(n)]
+            engine, "prefill", seqs, [[(5 * i + j) % 500 + 1 for j in range(24)] for i in range(n)], captures
         )
     for b in batches:
         engine = OurEngine(model, page_size=16, max_tokens=most * 64, max_seqs=2 * most + 2)

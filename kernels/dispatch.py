@@ -27,8 +27,9 @@ from types import ModuleType
 
 from torch import Tensor
 
-# cuda_path and the variables are re-exported: callers ask the dispatcher which path they are on.
 from . import segmented as _segmented
+
+# cuda_path and the variables are re-exported: callers ask the dispatcher which path they are on.
 from .code_path import CUDA_PATH_ENV, KERNEL_CHOICES, KERNELS_ENV, cuda_path, kernels_mode  # noqa: F401
 from .native import attention as _native_attention
 from .native import conv1d as _native_conv1d
