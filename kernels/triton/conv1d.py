@@ -207,18 +207,18 @@ def _conv_varlen_kernel(
         for c in range(tl.load(cu_cap_ptr + seq).to(tl.int32), tl.load(cu_cap_ptr + seq + 1).to(tl.int32)):
             end = tl.load(cap_off_ptr + c).to(tl.int32)
             target = tl.load(cap_slot_ptr + c).to(tl.int64)
-            src = end - (WIDTH - 1) + js
-            tail = tl.load(x_ptr + (bos + src)[None, :].to(tl.int64) * sx_t + ds[:, None] * sx_d,
-                           mask=j_mask & (src >= 0)[None, :], other=0.0).to(w_ty)  # fmt: skip
-            tail += tl.load(pool_ptr + slot * sp_s + ds[:, None] * sp_d + (src + WIDTH - 1)[None, :] * sp_k,
-                            mask=j_mask & ((src < 0) & (src >= -init_cols))[None, :], other=0.0).to(w_ty)  # fmt: skip
+            cap_src = end - (WIDTH - 1) + js
+            cap_tail = tl.load(x_ptr + (bos + cap_src)[None, :].to(tl.int64) * sx_t + ds[:, None] * sx_d,
+                           mask=j_mask & (cap_src >= 0)[None, :], other=0.0).to(w_ty)  # fmt: skip
+            cap_tail += tl.load(pool_ptr + slot * sp_s + ds[:, None] * sp_d + (cap_src + WIDTH - 1)[None, :] * sp_k,
+                            mask=j_mask & ((cap_src < 0) & (cap_src >= -init_cols))[None, :], other=0.0).to(w_ty)  # fmt: skip
             tl.store(pool_ptr + target * sp_s + ds[:, None] * sp_d + js[None, :] * sp_k,
-                     tail.to(pool_ptr.dtype.element_ty), mask=j_mask)  # fmt: skip
-        src = length - (WIDTH - 1) + js
-        tail = tl.load(x_ptr + (bos + src)[None, :].to(tl.int64) * sx_t + ds[:, None] * sx_d,
-                       mask=j_mask & (src >= 0)[None, :], other=0.0).to(w_ty)  # fmt: skip
-        tail += tl.load(pool_ptr + slot * sp_s + ds[:, None] * sp_d + (src + WIDTH - 1)[None, :] * sp_k,
-                        mask=j_mask & ((src < 0) & (src >= -init_cols))[None, :], other=0.0).to(w_ty)  # fmt: skip
+                     cap_tail.to(pool_ptr.dtype.element_ty), mask=j_mask)  # fmt: skip
+        tail_src = length - (WIDTH - 1) + js
+        tail = tl.load(x_ptr + (bos + tail_src)[None, :].to(tl.int64) * sx_t + ds[:, None] * sx_d,
+                       mask=j_mask & (tail_src >= 0)[None, :], other=0.0).to(w_ty)  # fmt: skip
+        tail += tl.load(pool_ptr + slot * sp_s + ds[:, None] * sp_d + (tail_src + WIDTH - 1)[None, :] * sp_k,
+                        mask=j_mask & ((tail_src < 0) & (tail_src >= -init_cols))[None, :], other=0.0).to(w_ty)  # fmt: skip
         tl.store(pool_ptr + slot * sp_s + ds[:, None] * sp_d + js[None, :] * sp_k,
                  tail.to(pool_ptr.dtype.element_ty), mask=j_mask)  # fmt: skip
 
