@@ -1,6 +1,7 @@
 """`himamba bench launches`: what one worker step would launch on a GPU, and where it would wait, counted on CPU.
 
-One decode step (per `--batch` size) and one prefill step (per `--prefill-seqs` count) of a tiny model of
+One decode step (per `--batch` size) and one prefill step (per `--prefill-seqs` count; 24 tokens a sequence,
+with captures asked at offsets 16 and 21 of each) of a tiny model of
 `--arch` with random weights run through the worker's own step (RunBatch -> build_forward_batch ->
 model.forward -> sample, bench_forward's OurEngine) on the CUDA code path: HIMAMBA_KERNELS=triton,
 TRITON_INTERPRET=1 and HIMAMBA_CUDA_PATH=1 (`dispatch.cuda_path`), set before triton is imported (the
