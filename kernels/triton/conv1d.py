@@ -239,6 +239,9 @@ def causal_conv1d_varlen(
     if v.num_seqs == 0 or channels == 0:
         return out
     block_d, block_l = 64, 32
+    if width - 1 > block_l:
+        # Only the first token block may read a sequence's slot, which it then overwrites in place.
+        raise ValueError(f"the varlen conv takes kernel widths up to {block_l + 1}, got {width}")
     grid = (v.num_seqs, triton.cdiv(channels, block_d), max(1, triton.cdiv(v.max_len, block_l)))
     _conv_varlen_kernel[grid](
         x, weight, x if bias is None else bias, conv_pool, out,
