@@ -27,8 +27,6 @@ from types import ModuleType
 
 from torch import Tensor
 
-from . import segmented as _segmented
-
 # cuda_path and the variables are re-exported: callers ask the dispatcher which path they are on.
 from .code_path import CUDA_PATH_ENV, KERNEL_CHOICES, KERNELS_ENV, cuda_path, kernels_mode  # noqa: F401
 from .native import attention as _native_attention
@@ -52,6 +50,21 @@ from .reference.conv1d import ConvResult
 from .reference.delta_rule import DeltaResult
 from .reference.moe import Routing
 from .reference.ssd import ScanResult
+from .segmented import (
+    attention_prefill_varlen as _attention_by_sequence,
+)
+from .segmented import (
+    conv1d_varlen as _conv1d_by_segments,
+)
+from .segmented import (
+    gated_delta_rule_varlen as _delta_rule_by_segments,
+)
+from .segmented import (
+    selective_scan_varlen as _selective_scan_by_segments,
+)
+from .segmented import (
+    ssd_scan_varlen as _ssd_scan_by_segments,
+)
 from .varlen import Varlen
 
 
@@ -401,7 +414,7 @@ def causal_conv1d_varlen(
     `conv_pool` [slots, D, K-1] (or zeros), captures and final states written there."""
     if uses_triton(x):
         return _twin("conv1d").causal_conv1d_varlen(x, weight, bias, conv_pool, state_slots, v, activation)
-    return _segmented.conv1d_varlen(causal_conv1d, x, weight, bias, conv_pool, state_slots, v, activation)
+    return _conv1d_by_segments(causal_conv1d, x, weight, bias, conv_pool, state_slots, v, activation)
 
 
 def ssd_scan_varlen(
@@ -424,7 +437,7 @@ def ssd_scan_varlen(
     args = (x, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit, ssm_pool, state_slots, v)
     if uses_triton(x):
         return _twin("ssd").ssd_scan_varlen(*args)
-    return _segmented.ssd_scan_varlen(ssd_scan, *args)
+    return _ssd_scan_by_segments(ssd_scan, *args)
 
 
 def selective_scan_varlen(
@@ -446,7 +459,7 @@ def selective_scan_varlen(
     args = (u, delta, A, B, C, D, z, delta_bias, delta_softplus, ssm_pool, state_slots, v)
     if uses_triton(u):
         return _twin("selective_scan").selective_scan_varlen(*args)
-    return _segmented.selective_scan_varlen(selective_scan, *args)
+    return _selective_scan_by_segments(selective_scan, *args)
 
 
 def chunk_gated_delta_rule_varlen(
@@ -467,7 +480,7 @@ def chunk_gated_delta_rule_varlen(
     args = (q, k, val, g, beta, chunk_size, state_pool, state_slots, v, use_qk_l2norm, scale)
     if uses_triton(q):
         return _twin("delta_rule").chunk_gated_delta_rule_varlen(*args)
-    return _segmented.gated_delta_rule_varlen(chunk_gated_delta_rule, *args)
+    return _delta_rule_by_segments(chunk_gated_delta_rule, *args)
 
 
 def paged_attention_prefill_varlen(
@@ -477,4 +490,4 @@ def paged_attention_prefill_varlen(
     (row b of `slot_table`: its token slots, prefix then new)."""
     if uses_triton(q):
         return _twin("attention").paged_attention_prefill_varlen(q, k_cache, v_cache, slot_table, v, scale)
-    return _segmented.attention_prefill_varlen(paged_attention_prefill, q, k_cache, v_cache, slot_table, v, scale)
+    return _attention_by_sequence(paged_attention_prefill, q, k_cache, v_cache, slot_table, v, scale)
