@@ -283,6 +283,10 @@ class OurEngine:
         self.tables = PageTables(page_size, num_pages, model.vocab_size, self.device)
         self.last_logits: torch.Tensor | None = None  # the last step's logits (greedy-agreement checks)
 
+    def take_slot(self) -> int:
+        """A free state slot, for captures (`step`); not given back."""
+        return self._free_slots.pop()
+
     def new_seq(self) -> _Seq:
         self._seqs += 1
         return _Seq(rid=f"seq{self._seqs}", state_slot=self._free_slots.pop(), pages=[])
@@ -305,11 +309,13 @@ class OurEngine:
         new_tokens: list[list[int]],
         times: StepTimes,
         around: contextlib.AbstractContextManager | None = None,
+        captures: list[list[tuple[int, int]]] | None = None,
     ) -> list[int]:
         """Run one batch through the worker's path; record its timings; returns the sampled tokens.
-        `around` wraps the worker's part (from the RunBatch on), e.g. bench launches' counter."""
+        `around` wraps the worker's part (from the RunBatch on), e.g. bench launches' counter;
+        `captures` asks, per sequence, for (offset, state slot) copies of its state."""
         plans, ids, pages = [], [], []
-        for s, toks in zip(seqs, new_tokens, strict=True):
+        for i, (s, toks) in enumerate(zip(seqs, new_tokens, strict=True)):
             self._grow(s, s.length + len(toks))
             reset = s.length == 0
             start = 0 if reset else s.pages_sent
@@ -324,6 +330,7 @@ class OurEngine:
                     page_start=start,
                     num_new_pages=len(s.pages) - start,
                     sampling=_GREEDY if reset else None,
+                    captures=list(captures[i]) if captures else [],
                 )
             )
             ids += toks

@@ -1,6 +1,7 @@
 """`himamba bench launches`: what one worker step would launch on a GPU, and where it would wait, counted on CPU.
 
-One decode step (per `--batch` size) and one prefill step (per `--prefill-seqs` count) of a tiny model of
+One decode step (per `--batch` size) and one prefill step (per `--prefill-seqs` count; 24 tokens a sequence,
+with captures asked at offsets 16 and 21 of each) of a tiny model of
 `--arch` with random weights run through the worker's own step (RunBatch -> build_forward_batch ->
 model.forward -> sample, bench_forward's OurEngine) on the CUDA code path: HIMAMBA_KERNELS=triton,
 TRITON_INTERPRET=1 and HIMAMBA_CUDA_PATH=1 (`dispatch.cuda_path`), set before triton is imported (the
@@ -80,12 +81,12 @@ def _model(arch: str, experts: int | None):
     return model.eval()
 
 
-def _counted(engine, mode: str, seqs, tokens) -> dict[str, int]:
+def _counted(engine, mode: str, seqs, tokens, captures=None) -> dict[str, int]:
     from himamba.bench.forward import StepTimes
     from himamba.services.worker.launch_count import LaunchCount
 
     count = LaunchCount()
-    engine.step(mode, seqs, tokens, StepTimes(), around=count)  # the worker's part: RunBatch in, tokens out
+    engine.step(mode, seqs, tokens, StepTimes(), around=count, captures=captures)  # RunBatch in, tokens out
     got = count.result()
     reads = [s for s in got.syncs if s.op == _TOKEN_READ[0] and s.where.startswith(_TOKEN_READ[1])]
     return {"launches": got.launches, "syncs": len(got.syncs) - len(reads), "token_reads": len(reads)}
@@ -99,10 +100,12 @@ def measure(arch: str, experts: int | None, batches: list[int], prefill_seqs: li
     most = max(batches + prefill_seqs)
     out: dict[str, Any] = {"arch": arch, "experts": experts, "decode": {}, "prefill": {}}
     for n in prefill_seqs:
-        engine = OurEngine(model, page_size=16, max_tokens=most * 64, max_seqs=2 * most + 2)
+        engine = OurEngine(model, page_size=16, max_tokens=most * 64, max_seqs=3 * most + 2)
         seqs = [engine.new_seq() for _ in range(n)]
+        # Two captures per sequence, as the cache asks of a prompt: at a page boundary and inside a page.
+        captures = [[(16, engine.take_slot()), (21, engine.take_slot())] for _ in range(n)]
         out["prefill"][str(n)] = _counted(
-            engine, "prefill", seqs, [[(5 * i + j) % 500 + 1 for j in range(24)] for i in range(n)]
+            engine, "prefill", seqs, [[(5 * i + j) % 500 + 1 for j in range(24)] for i in range(n)], captures
         )
     for b in batches:
         engine = OurEngine(model, page_size=16, max_tokens=most * 64, max_seqs=2 * most + 2)

@@ -30,6 +30,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
+# memoryview formats of the integer dtypes `get_ints` reads (native byte order, as the frames carry).
+_INT_FORMATS = {"int64": "q", "int32": "i", "int16": "h", "int8": "b", "uint8": "B"}
 
 
 class WireError(ValueError):
@@ -123,3 +125,15 @@ def get_tensor(frames: Sequence[Any], ref: TensorRef) -> torch.Tensor:
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.frombuffer(buf, dtype=torch.uint8)
     return raw.view(dtype).reshape(ref.shape)
+
+
+def get_ints(frames: Sequence[Any], ref: TensorRef) -> Sequence[int]:
+    """The integers of a TensorRef as a host sequence (a memoryview of the frame: zero copy), for
+    values the host itself must read, such as the pages a worker checks before it uses them: no
+    tensor op, so nothing a step on a GPU would count as waiting for the device."""
+    if ref.dtype not in _INT_FORMATS:
+        raise WireError(f"expected an integer tensor, got dtype {ref.dtype!r}")
+    get_tensor(frames, ref)  # the frame and its size, checked as for a tensor
+    frame = frames[ref.frame]
+    buf = frame.buffer if hasattr(frame, "buffer") else frame
+    return memoryview(buf).cast("B").cast(_INT_FORMATS[ref.dtype])

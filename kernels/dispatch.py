@@ -50,6 +50,22 @@ from .reference.conv1d import ConvResult
 from .reference.delta_rule import DeltaResult
 from .reference.moe import Routing
 from .reference.ssd import ScanResult
+from .segmented import (
+    attention_prefill_varlen as _attention_by_sequence,
+)
+from .segmented import (
+    conv1d_varlen as _conv1d_by_segments,
+)
+from .segmented import (
+    gated_delta_rule_varlen as _delta_rule_by_segments,
+)
+from .segmented import (
+    selective_scan_varlen as _selective_scan_by_segments,
+)
+from .segmented import (
+    ssd_scan_varlen as _ssd_scan_by_segments,
+)
+from .varlen import Varlen
 
 
 @functools.cache
@@ -379,3 +395,99 @@ def scatter_state_rows(pool: Tensor, slots: Tensor, rows: Tensor) -> None:
         _twin("state_rows").scatter_state_rows(pool, slots, rows)
         return
     _state_rows.scatter_state_rows(pool, slots, rows)
+
+
+# Varlen prefill: one call for every sequence of a step (see `varlen`). The Triton twins run it in one
+# launch; CPU tensors run `segmented`, the per-segment ops above (native where there is one).
+
+
+def causal_conv1d_varlen(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    conv_pool: Tensor,
+    state_slots: Tensor,
+    v: Varlen,
+    activation: str | None = "silu",
+) -> Tensor:
+    """Causal depthwise conv of a packed batch x [T, D] -> [T, D], each sequence from its slot of
+    `conv_pool` [slots, D, K-1] (or zeros), captures and final states written there."""
+    if uses_triton(x):
+        return _twin("conv1d").causal_conv1d_varlen(x, weight, bias, conv_pool, state_slots, v, activation)
+    return _conv1d_by_segments(causal_conv1d, x, weight, bias, conv_pool, state_slots, v, activation)
+
+
+def ssd_scan_varlen(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    D: Tensor | None,
+    dt_bias: Tensor | None,
+    dt_softplus: bool,
+    dt_limit: tuple[float, float],
+    ssm_pool: Tensor,
+    state_slots: Tensor,
+    v: Varlen,
+) -> Tensor:
+    """Mamba2 scan of a packed batch (x [T, H, P], dt [T, H], B/C [T, G, N]) -> y [T, H, P], each
+    sequence from its slot of `ssm_pool` [slots, H, P, N] (or zeros), captures and final states there."""
+    args = (x, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit, ssm_pool, state_slots, v)
+    if uses_triton(x):
+        return _twin("ssd").ssd_scan_varlen(*args)
+    return _ssd_scan_by_segments(ssd_scan, *args)
+
+
+def selective_scan_varlen(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    z: Tensor | None,
+    delta_bias: Tensor | None,
+    delta_softplus: bool,
+    ssm_pool: Tensor,
+    state_slots: Tensor,
+    v: Varlen,
+) -> Tensor:
+    """Mamba1 scan of a packed batch (u, delta, z [T, D]; B, C [T, N]) -> y [T, D], each sequence from
+    its slot of `ssm_pool` [slots, D, N] (or zeros), captures and final states there."""
+    args = (u, delta, A, B, C, D, z, delta_bias, delta_softplus, ssm_pool, state_slots, v)
+    if uses_triton(u):
+        return _twin("selective_scan").selective_scan_varlen(*args)
+    return _selective_scan_by_segments(selective_scan, *args)
+
+
+def chunk_gated_delta_rule_varlen(
+    q: Tensor,
+    k: Tensor,
+    val: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    chunk_size: int,
+    state_pool: Tensor,
+    state_slots: Tensor,
+    v: Varlen,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+) -> Tensor:
+    """Gated delta rule of a packed batch (q, k [T, Hk, Dk]; val [T, Hv, Dv]; g, beta [T, Hv]) ->
+    [T, Hv, Dv], each sequence from its slot of `state_pool` [slots, Hv, Dk, Dv] (or zeros)."""
+    args = (q, k, val, g, beta, chunk_size, state_pool, state_slots, v, use_qk_l2norm, scale)
+    if uses_triton(q):
+        return _twin("delta_rule").chunk_gated_delta_rule_varlen(*args)
+    return _delta_rule_by_segments(chunk_gated_delta_rule, *args)
+
+
+def paged_attention_prefill_varlen(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slot_table: Tensor, v: Varlen, scale: float
+) -> Tensor:
+    """Causal attention of a packed batch's new tokens q [T, Hq, Dh] over each sequence's context
+    (row b of `slot_table`: its token slots, prefix then new)."""
+    if uses_triton(q):
+        return _twin("attention").paged_attention_prefill_varlen(q, k_cache, v_cache, slot_table, v, scale)
+    return _attention_by_sequence(paged_attention_prefill, q, k_cache, v_cache, slot_table, v, scale)

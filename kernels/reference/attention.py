@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..code_path import cuda_path
+from ..varlen import Varlen
 
 
 def _check_cache(k_cache: Tensor, v_cache: Tensor, q_heads: int, head_dim: int) -> None:
@@ -48,6 +49,18 @@ def check_prefill_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_slots: T
         raise ValueError(
             f"seq_slots must have prefix_len + T = {prefix_len + new_len} entries, got {seq_slots.shape[0]}"
         )
+
+
+def check_prefill_varlen_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot_table: Tensor, v: Varlen) -> None:
+    """Raise ValueError unless the arguments of a varlen prefill attention (q [T, Hq, Dh] packed as `v`
+    says, slot_table [B, >= longest prefix + new tokens] of token slots) fit together."""
+    if q.dim() != 3 or q.shape[0] != v.num_tokens:
+        raise ValueError(f"q must be [T={v.num_tokens}, Hq, Dh], got {tuple(q.shape)}")
+    _check_cache(k_cache, v_cache, q.shape[1], q.shape[2])
+    _check_index("slot_table", slot_table, 2)
+    width = max((p + n for p, n in zip(v.prefix_lens, v.new_lens, strict=True)), default=0)
+    if slot_table.shape[0] != v.num_seqs or slot_table.shape[1] < width:
+        raise ValueError(f"slot_table must be [{v.num_seqs}, >= {width}], got {tuple(slot_table.shape)}")
 
 
 def paged_attention_prefill(

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..varlen import Varlen
 from .state_rows import check_state_indices, update_rows_at
 
 
@@ -53,6 +54,29 @@ def check_args(
         raise ValueError(
             f"initial_state must be [B={batch}, D={channels}, K-1={width - 1}], got {tuple(initial_state.shape)}"
         )
+    return width
+
+
+def check_varlen_args(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    conv_pool: Tensor,
+    state_slots: Tensor,
+    v: Varlen,
+    activation: str | None,
+) -> int:
+    """Raise ValueError unless the arguments of a varlen conv (x [T, D] packed as `v` says, the
+    state pool [slots, D, K-1], one slot per sequence) fit together; return the kernel width K."""
+    _check_activation(activation)
+    if x.dim() != 2 or x.shape[0] != v.num_tokens:
+        raise ValueError(f"x must be [T={v.num_tokens}, D], got {tuple(x.shape)}")
+    channels = x.shape[1]
+    width = _check_weight(weight, bias, channels)
+    if conv_pool.dim() != 3 or tuple(conv_pool.shape[1:]) != (channels, width - 1):
+        raise ValueError(f"conv_pool must be [slots, D={channels}, K-1={width - 1}], got {tuple(conv_pool.shape)}")
+    if state_slots.dim() != 1 or state_slots.shape[0] != v.num_seqs:
+        raise ValueError(f"state_slots must be [{v.num_seqs}], got {tuple(state_slots.shape)}")
     return width
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..varlen import Varlen
 from .state_rows import check_state_indices, update_rows_at
 
 
@@ -127,6 +128,34 @@ def check_scan_args(
     state_shape = (batch, heads, head_dim, B.shape[3])
     if initial_state is not None and tuple(initial_state.shape) != state_shape:
         raise ValueError(f"initial_state must be {list(state_shape)}, got {tuple(initial_state.shape)}")
+
+
+def check_varlen_scan_args(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    D: Tensor | None,
+    dt_bias: Tensor | None,
+    ssm_pool: Tensor,
+    state_slots: Tensor,
+    v: Varlen,
+) -> int:
+    """As `check_scan_args` for a packed batch (x [T, H, P], dt [T, H], B/C [T, G, N], the pool
+    [slots, H, P, N], one slot per sequence); returns the heads per group."""
+    if x.dim() != 3 or x.shape[0] != v.num_tokens:
+        raise ValueError(f"x must be [T={v.num_tokens}, H, P], got {tuple(x.shape)}")
+    if dt.dim() != 2 or B.dim() != 3 or C.dim() != 3:
+        raise ValueError(f"dt must be [T, H] and B, C [T, G, N], got {tuple(dt.shape)}, {tuple(B.shape)}")
+    check_scan_args(x[None], dt[None], A, B[None], C[None], chunk_size, D, dt_bias, None)
+    row = (x.shape[1], x.shape[2], B.shape[2])
+    if ssm_pool.dim() != 4 or tuple(ssm_pool.shape[1:]) != row:
+        raise ValueError(f"ssm_pool must be [slots, {', '.join(map(str, row))}], got {tuple(ssm_pool.shape)}")
+    if state_slots.dim() != 1 or state_slots.shape[0] != v.num_seqs:
+        raise ValueError(f"state_slots must be [{v.num_seqs}], got {tuple(state_slots.shape)}")
+    return x.shape[1] // B.shape[1]
 
 
 def chunk_length(length: int, chunk_size: int, device: torch.device) -> int:

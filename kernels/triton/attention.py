@@ -14,6 +14,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..reference import attention as _ref
+from ..varlen import Varlen
 from .jit_math import dot_precision, next_pow2
 
 
@@ -64,6 +65,46 @@ def _prefill_kernel(
                                       sv_s, sv_h, kv_head, scale, valid, PRECISION)  # fmt: skip
     out = acc / l_i[:, None]
     tl.store(out_ptr + ms[:, None] * so_t + head * so_h + ds[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & d_mask[None, :])  # fmt: skip
+
+
+@triton.jit
+def _prefill_varlen_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, cu_ptr, prefix_ptr, out_ptr,
+    heads_per_kv, head_dim, scale,
+    sq_t, sq_h, sk_s, sk_h, sv_s, sv_h, st_b, st_l, so_t, so_h,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(2)
+    bos = tl.load(cu_ptr + seq).to(tl.int32)
+    new_len = tl.load(cu_ptr + seq + 1).to(tl.int32) - bos
+    prefix_len = tl.load(prefix_ptr + seq).to(tl.int32)
+    ms = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    head = tl.program_id(1)
+    kv_head = head // heads_per_kv
+    m_mask = ms < new_len
+    rows = (bos + ms).to(tl.int64)
+    ds = tl.arange(0, BLOCK_D)
+    d_mask = ds < head_dim
+    q = tl.load(q_ptr + rows[:, None] * sq_t + head * sq_h + ds[None, :], mask=m_mask[:, None] & d_mask[None, :],
+                other=0.0).to(tl.float32)  # fmt: skip
+    query_pos = prefix_len + ms
+    # Keys up to the block's last query (causal); a block past the sequence's end reads none (its
+    # grid covers the longest sequence of the step).
+    end = tl.minimum(prefix_len + new_len, prefix_len + (tl.program_id(0) + 1) * BLOCK_M)
+    end = tl.where(tl.program_id(0) * BLOCK_M < new_len, end, 0)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for start in range(0, end, BLOCK_N):
+        ns = start + tl.arange(0, BLOCK_N)
+        key_mask = ns < end
+        slots = tl.load(table_ptr + seq * st_b + ns * st_l, mask=key_mask, other=0)
+        valid = key_mask[None, :] & (ns[None, :] <= query_pos[:, None])
+        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, k_ptr, v_ptr, slots, key_mask, ds, d_mask, sk_s, sk_h,
+                                      sv_s, sv_h, kv_head, scale, valid, PRECISION)  # fmt: skip
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + rows[:, None] * so_t + head * so_h + ds[None, :], out.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & d_mask[None, :])  # fmt: skip
 
 
@@ -133,6 +174,28 @@ def paged_attention_prefill(
         new_len, prefix_len, q_heads // k_cache.shape[1], head_dim, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1),
+        PRECISION=dot_precision(q, k_cache), BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=next_pow2(head_dim, 16),
+    )  # fmt: skip
+    return out
+
+
+def paged_attention_prefill_varlen(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slot_table: Tensor, v: Varlen, scale: float
+) -> Tensor:
+    """Twin of `segmented`'s prefill attention over a packed batch: one launch for every sequence."""
+    _ref.check_prefill_varlen_args(q, k_cache, v_cache, slot_table, v)
+    _, q_heads, head_dim = q.shape
+    _unit_last(q, k_cache, v_cache)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    block_m = 32
+    grid = (triton.cdiv(v.max_len, block_m), q_heads, v.num_seqs)
+    _prefill_varlen_kernel[grid](
+        q, k_cache, v_cache, slot_table, v.cu_seqlens, v.prefix, out,
+        q_heads // k_cache.shape[1], head_dim, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        slot_table.stride(0), slot_table.stride(1), out.stride(0), out.stride(1),
         PRECISION=dot_precision(q, k_cache), BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=next_pow2(head_dim, 16),
     )  # fmt: skip
     return out

@@ -20,6 +20,7 @@ from torch import Tensor
 from ..reference import delta_rule as _ref
 from ..reference.delta_rule import DeltaResult
 from ..reference.state_rows import check_state_indices
+from ..varlen import Varlen
 from .jit_math import dot_precision, next_pow2
 
 
@@ -232,5 +233,124 @@ def recurrent_gated_delta_rule_update(
         *state.stride(), step_out.stride(0), step_out.stride(1), step_out.stride(2), *state.stride(),
         L2NORM=use_qk_l2norm, HAS_INIT=True, HAS_IDX=state_batch_indices is not None, BLOCK_K=next_pow2(k_dim),
         BLOCK_V=block_v,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _chunk_delta_varlen_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pool_ptr, out_ptr,
+    cu_ptr, slots_ptr, prefix_ptr, cu_cap_ptr, cap_off_ptr, cap_slot_ptr,
+    k_dim, v_dim, heads_per_k, scale,
+    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sbt_t, sbt_h, sp_s, sp_h, sp_k, sp_v, so_t, so_h,
+    L2NORM: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    hv = tl.program_id(1)
+    hk = hv // heads_per_k
+    bos = tl.load(cu_ptr + seq).to(tl.int32)
+    length = tl.load(cu_ptr + seq + 1).to(tl.int32) - bos
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    # Rows of the initial state read from the slot: all with a cached prefix, none (zeros) without.
+    init_rows = tl.where(tl.load(prefix_ptr + seq) > 0, k_dim, 0)
+    cap = tl.load(cu_cap_ptr + seq).to(tl.int32)
+    cap_end = tl.load(cu_cap_ptr + seq + 1).to(tl.int32)
+    ks = tl.arange(0, BLOCK_K)
+    k_mask = ks < k_dim
+    vs = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_mask = vs < v_dim
+    qs = tl.arange(0, BLOCK_Q)
+    lower = qs[:, None] >= qs[None, :]
+    strictly_lower = qs[:, None] > qs[None, :]
+    state_mask = k_mask[:, None] & v_mask[None, :]
+    state_off = hv * sp_h + ks[:, None] * sp_k + vs[None, :] * sp_v
+    state = tl.load(pool_ptr + slot * sp_s + state_off, mask=(ks < init_rows)[:, None] & v_mask[None, :], other=0.0).to(
+        tl.float32
+    )
+    start = length * 0
+    while start < length:
+        # Chunks end at BLOCK_Q tokens or at the next capture offset (see `ssd_scan_varlen`).
+        cut = tl.where(cap < cap_end, tl.load(cap_off_ptr + cap).to(tl.int32), length)
+        end = tl.minimum(start + BLOCK_Q, cut)
+        ts = start + qs
+        t_mask = ts < end
+        rows = (bos + ts).to(tl.int64)
+        qk_mask = t_mask[:, None] & k_mask[None, :]
+        q = tl.load(q_ptr + rows[:, None] * sq_t + hk * sq_h + ks[None, :], mask=qk_mask, other=0.0)
+        k = tl.load(k_ptr + rows[:, None] * sk_t + hk * sk_h + ks[None, :], mask=qk_mask, other=0.0)
+        q = _l2norm_rows(q.to(tl.float32), L2NORM) * scale
+        k = _l2norm_rows(k.to(tl.float32), L2NORM)
+        v = tl.load(v_ptr + rows[:, None] * sv_t + hv * sv_h + vs[None, :],
+                    mask=t_mask[:, None] & v_mask[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        g = tl.load(g_ptr + rows * sg_t + hv * sg_h, mask=t_mask, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + rows * sbt_t + hv * sbt_h, mask=t_mask, other=0.0).to(tl.float32)
+        gamma = tl.cumsum(g, axis=0)
+        decay = tl.exp(tl.where(lower, gamma[:, None] - gamma[None, :], float("-inf")))
+        kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)
+        system = tl.where(strictly_lower, beta[:, None] * kk * decay, 0.0)
+        inverse = tl.zeros((BLOCK_Q, BLOCK_Q), dtype=tl.float32)
+        for i in range(BLOCK_Q):
+            a_row = tl.sum(tl.where(qs[:, None] == i, system, 0.0), axis=0)
+            row = tl.where(qs == i, 1.0, 0.0) - tl.sum(a_row[:, None] * inverse, axis=0)
+            inverse = tl.where(qs[:, None] == i, row[None, :], inverse)
+        w = tl.dot(inverse, v * beta[:, None], input_precision=PRECISION)
+        k_cum = tl.dot(inverse, k * (tl.exp(gamma) * beta)[:, None], input_precision=PRECISION)
+        u = w - tl.dot(k_cum, state, input_precision=PRECISION)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
+        out = tl.dot(scores, u, input_precision=PRECISION)
+        out += tl.dot(q * tl.exp(gamma)[:, None], state, input_precision=PRECISION)
+        tl.store(out_ptr + rows[:, None] * so_t + hv * so_h + vs[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=t_mask[:, None] & v_mask[None, :])  # fmt: skip
+        total = tl.sum(g, axis=0)
+        k_end = k * tl.exp(total - gamma)[:, None]
+        state = state * tl.exp(total) + tl.dot(tl.trans(k_end), u, input_precision=PRECISION)
+        start = end
+        nxt = tl.where(cap < cap_end, tl.load(cap_off_ptr + cap).to(tl.int32), -1)
+        while nxt == end:
+            target = tl.load(cap_slot_ptr + cap).to(tl.int64)
+            tl.store(pool_ptr + target * sp_s + state_off, state.to(pool_ptr.dtype.element_ty), mask=state_mask)
+            cap += 1
+            nxt = tl.where(cap < cap_end, tl.load(cap_off_ptr + cap).to(tl.int32), -1)
+    tl.store(pool_ptr + slot * sp_s + state_off, state.to(pool_ptr.dtype.element_ty), mask=state_mask)
+
+
+def chunk_gated_delta_rule_varlen(
+    q: Tensor,
+    k: Tensor,
+    val: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    chunk_size: int,
+    state_pool: Tensor,
+    state_slots: Tensor,
+    v: Varlen,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+) -> Tensor:
+    """Twin of `segmented`'s gated delta rule over a packed batch: one launch for every sequence."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    _ref._check_layout(q[None], k[None], val[None], g[None], beta[None], token_dims=2)
+    if q.shape[0] != v.num_tokens:
+        raise ValueError(f"q must be [T={v.num_tokens}, Hk, Dk], got {tuple(q.shape)}")
+    _, k_heads, k_dim = q.shape
+    v_heads, v_dim = val.shape[1], val.shape[2]
+    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (v_heads, k_dim, v_dim):
+        raise ValueError(f"state_pool must be [slots, {v_heads}, {k_dim}, {v_dim}], got {tuple(state_pool.shape)}")
+    out = torch.empty(q.shape[0], v_heads, v_dim, dtype=q.dtype, device=q.device)
+    if v.num_seqs == 0 or v_heads == 0:
+        return out
+    _unit_last(q=q, k=k, v=val)
+    scale = k_dim**-0.5 if scale is None else scale
+    block_v = min(32 if k_dim > 64 else 64, next_pow2(v_dim, 16))
+    _chunk_delta_varlen_kernel[(v.num_seqs, v_heads, triton.cdiv(v_dim, block_v))](
+        q, k, val, g, beta, state_pool, out,
+        v.cu_seqlens, state_slots, v.prefix, v.cu_captures, v.capture_offsets, v.capture_slots,
+        k_dim, v_dim, v_heads // k_heads, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), val.stride(0), val.stride(1), *g.stride(), *beta.stride(),
+        *state_pool.stride(), out.stride(0), out.stride(1),
+        L2NORM=use_qk_l2norm, PRECISION=dot_precision(q, k, val),
+        BLOCK_Q=min(32, next_pow2(chunk_size, 16)), BLOCK_K=next_pow2(k_dim, 16), BLOCK_V=block_v,
     )  # fmt: skip
     return out

@@ -15,6 +15,7 @@ from torch import Tensor
 from ..reference import selective_scan as _ref
 from ..reference.ssd import ScanResult
 from ..reference.state_rows import check_state_indices
+from ..varlen import Varlen
 from .jit_math import next_pow2, silu, softplus
 
 
@@ -198,5 +199,103 @@ def selective_state_update_mamba1(
         *state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(), *zz.stride(), y.stride(0),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
         HAS_IDX=state_batch_indices is not None, BLOCK_D=block_d, BLOCK_N=next_pow2(state_size),
+    )  # fmt: skip
+    return y
+
+
+@triton.jit
+def _scan_varlen_kernel(
+    u_ptr, delta_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, pool_ptr, y_ptr,
+    cu_ptr, slots_ptr, prefix_ptr, cu_cap_ptr, cap_off_ptr, cap_slot_ptr,
+    channels, state_size,
+    su_t, su_d, sdl_t, sdl_d, sa_d, sa_n, sb_t, sb_n, sc_t, sc_n, sz_t, sz_d, sp_s, sp_d, sp_n, sy_t,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    bos = tl.load(cu_ptr + seq).to(tl.int32)
+    length = tl.load(cu_ptr + seq + 1).to(tl.int32) - bos
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    # Rows of the initial state read from the slot: all with a cached prefix, none (zeros) without.
+    init_rows = tl.where(tl.load(prefix_ptr + seq) > 0, channels, 0)
+    cap = tl.load(cu_cap_ptr + seq).to(tl.int32)
+    cap_end = tl.load(cu_cap_ptr + seq + 1).to(tl.int32)
+    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = ds < channels
+    ns = tl.arange(0, BLOCK_N)
+    n_mask = ns < state_size
+    state_mask = d_mask[:, None] & n_mask[None, :]
+    state_off = ds[:, None] * sp_d + ns[None, :] * sp_n
+    a = tl.load(a_ptr + ds[:, None] * sa_d + ns[None, :] * sa_n, mask=state_mask, other=0.0).to(tl.float32)
+    dt_bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    if HAS_BIAS:
+        dt_bias = tl.load(bias_ptr + ds, mask=d_mask, other=0.0).to(tl.float32)
+    skip = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    if HAS_D:
+        skip = tl.load(d_ptr + ds, mask=d_mask, other=0.0).to(tl.float32)
+    state = tl.load(pool_ptr + slot * sp_s + state_off, mask=(ds < init_rows)[:, None] & n_mask[None, :], other=0.0).to(
+        tl.float32
+    )
+    # The next capture offset (-1: none left); the scan is per token, so any offset costs one store.
+    nxt = tl.where(cap < cap_end, tl.load(cap_off_ptr + cap).to(tl.int32), -1)
+    for t in range(length):
+        row = (bos + t).to(tl.int64)
+        u = tl.load(u_ptr + row * su_t + ds * su_d, mask=d_mask, other=0.0).to(tl.float32)
+        dt_raw = tl.load(delta_ptr + row * sdl_t + ds * sdl_d, mask=d_mask, other=0.0).to(tl.float32)
+        bv = tl.load(b_ptr + row * sb_t + ns * sb_n, mask=n_mask, other=0.0).to(tl.float32)
+        cv = tl.load(c_ptr + row * sc_t + ns * sc_n, mask=n_mask, other=0.0).to(tl.float32)
+        z = u
+        if HAS_Z:
+            z = tl.load(z_ptr + row * sz_t + ds * sz_d, mask=d_mask, other=0.0).to(tl.float32)
+        state, y = _step(state, u, dt_raw, z, a, bv, cv, dt_bias, skip, HAS_D, HAS_Z, SOFTPLUS)
+        tl.store(y_ptr + row * sy_t + ds, y.to(y_ptr.dtype.element_ty), mask=d_mask)
+        while nxt == t + 1:
+            target = tl.load(cap_slot_ptr + cap).to(tl.int64)
+            tl.store(pool_ptr + target * sp_s + state_off, state.to(pool_ptr.dtype.element_ty), mask=state_mask)
+            cap += 1
+            nxt = tl.where(cap < cap_end, tl.load(cap_off_ptr + cap).to(tl.int32), -1)
+    tl.store(pool_ptr + slot * sp_s + state_off, state.to(pool_ptr.dtype.element_ty), mask=state_mask)
+
+
+def selective_scan_varlen(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    z: Tensor | None,
+    delta_bias: Tensor | None,
+    delta_softplus: bool,
+    ssm_pool: Tensor,
+    state_slots: Tensor,
+    v: Varlen,
+) -> Tensor:
+    """Twin of `segmented`'s Mamba1 scan over a packed batch: one launch for every sequence."""
+    if u.dim() != 2 or u.shape[0] != v.num_tokens:
+        raise ValueError(f"u must be [T={v.num_tokens}, D], got {tuple(u.shape)}")
+    total, channels = u.shape
+    for name, t in (("delta", delta), ("z", z)):
+        if t is not None and t.shape != u.shape:
+            raise ValueError(f"{name} must have u's shape {tuple(u.shape)}, got {tuple(t.shape)}")
+    state_size = _ref._check_params(channels, A, D, delta_bias, "delta_bias")
+    for name, t in (("B", B), ("C", C)):
+        if tuple(t.shape) != (total, state_size):
+            raise ValueError(f"{name} must be [T={total}, N={state_size}], got {tuple(t.shape)}")
+    if ssm_pool.dim() != 3 or tuple(ssm_pool.shape[1:]) != (channels, state_size):
+        raise ValueError(f"ssm_pool must be [slots, {channels}, {state_size}], got {tuple(ssm_pool.shape)}")
+    y = torch.empty(u.shape, dtype=u.dtype, device=u.device)
+    if v.num_seqs == 0 or channels == 0:
+        return y
+    zz = u if z is None else z
+    block_d = _block_d(state_size)
+    _scan_varlen_kernel[(v.num_seqs, triton.cdiv(channels, block_d))](
+        u, delta, A, B, C, u if D is None else D, zz, u if delta_bias is None else delta_bias, ssm_pool, y,
+        v.cu_seqlens, state_slots, v.prefix, v.cu_captures, v.capture_offsets, v.capture_slots,
+        channels, state_size,
+        *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(), *zz.stride(), *ssm_pool.stride(),
+        y.stride(0),
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=delta_softplus,
+        BLOCK_D=block_d, BLOCK_N=next_pow2(state_size),
     )  # fmt: skip
     return y

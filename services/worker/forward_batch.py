@@ -12,6 +12,8 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from himamba.kernels import Varlen, make_varlen
+
 
 class Capture(NamedTuple):
     """Copy a sequence's recurrent state, as it is after `offset` of its new tokens, into `slot`.
@@ -37,6 +39,9 @@ class ForwardBatch:
     write_slots: torch.Tensor  # [T] int64, KV-pool token slot where each new token's K/V go
     # Prefill: per sequence, the token slots of its whole context (prefix + new), in order.
     seq_slots: list[torch.Tensor] = field(default_factory=list)
+    # Prefill: the same as one [B, >= longest context] table (row b: sequence b's token slots), what the
+    # varlen attention reads; None: built from seq_slots on first use (`prefill_table`).
+    prefill_slots: torch.Tensor | None = None
     # Decode: token-slot table [B, max_len] (padded with 0) and context lengths [B] incl. new token.
     slot_table: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
@@ -48,6 +53,24 @@ class ForwardBatch:
     logit_rows: torch.Tensor | None = None
     # Torch threads the vocabulary head runs on (None: the step's); see worker/step_threads.py.
     head_threads: int | None = None
+
+    _varlen: Varlen | None = field(default=None, init=False, repr=False)
+
+    @property
+    def varlen(self) -> Varlen:
+        """The prefill's layout for the varlen kernels (cu_seqlens, prefixes, captures), built on the
+        host and copied to the device once per batch, on first use."""
+        if self._varlen is None:
+            caps = [[(c.offset, c.slot) for c in seq] for seq in self.captures] if self.captures else []
+            self._varlen = make_varlen(self.new_lens, self.prefix_lens, caps, self.input_ids.device)
+        return self._varlen
+
+    @property
+    def prefill_table(self) -> torch.Tensor:
+        """[B, longest context] token slots of a prefill's sequences (`prefill_slots`, or seq_slots padded)."""
+        if self.prefill_slots is None:
+            self.prefill_slots = torch.nn.utils.rnn.pad_sequence(self.seq_slots, batch_first=True)
+        return self.prefill_slots
 
     @property
     def num_seqs(self) -> int:

@@ -15,6 +15,7 @@ need more (rare, and amortised); a dropped sequence's row is reused.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +24,7 @@ from himamba.common.messages import SeqPlan
 from himamba.common.types import SamplingParams
 from himamba.common.wire import WireError
 from himamba.services.worker.grammar_masks import GrammarCompiler, GrammarState
-from himamba.services.worker.penalties import PenaltyState
+from himamba.services.worker.penalties import PenaltyState, host_values
 
 log = logging.getLogger("himamba.worker")
 
@@ -124,16 +125,43 @@ class PageTables:
             log.info("%s: grammar matcher rebuilt from %d output tokens", plan.rid, g.seen)
         return g
 
-    def check_pages(self, plan: SeqPlan, host_pages: torch.Tensor) -> None:
-        """Raise WireError unless one sequence's new pages (its slice of the batch's pages tensor, the
-        host copy: reading a device copy would cost a synchronisation per sequence) are in range."""
-        assert host_pages.device.type == "cpu"
-        if host_pages.numel() and (int(host_pages.min()) < 0 or int(host_pages.max()) >= self.num_pages):
+    def check_pages(self, plan: SeqPlan, host_pages: Sequence[int]) -> None:
+        """Raise WireError unless one sequence's new pages (its slice of the batch's pages, read on the
+        host: reading a device copy would cost a synchronisation per sequence) are in range."""
+        if len(host_pages) and (min(host_pages) < 0 or max(host_pages) >= self.num_pages):
             raise WireError(f"{plan.rid}: page index out of range")
 
     def update(self, plan: SeqPlan, new_pages: torch.Tensor) -> SeqState:
-        """Apply one sequence's delta (`new_pages` is its slice of the batch's pages tensor, on the
-        worker's device, already checked by `check_pages`)."""
+        """Apply one sequence's delta (`new_pages`: its new pages, on the worker's device, already
+        checked by `check_pages`)."""
+        return self.update_all([plan], new_pages)[0]
+
+    def update_all(self, plans: Sequence[SeqPlan], pages: torch.Tensor) -> list[SeqState]:
+        """Apply every sequence's delta of a batch (`pages`: the batch's pages tensor on the worker's
+        device, each plan's new pages in turn, already checked by `check_pages`). The token slots of all
+        new pages are written in one scatter, whatever the number of sequences."""
+        states: list[SeqState] = []
+        rows: list[int] = []
+        cols: list[int] = []
+        try:
+            for plan in plans:
+                state = self._apply(plan)
+                k = plan.num_new_pages
+                rows += [state.row] * k
+                cols += range(plan.page_start, plan.page_start + k)
+                states.append(state)
+        finally:
+            # What was applied is written, also when a later sequence was refused.
+            if rows:
+                ps = self.page_size
+                index = host_values(rows + cols, torch.int64, self.device).view(2, -1)
+                by_page = self.table.view(self.table.shape[0], -1, ps)
+                by_page.index_put_((index[0], index[1]), pages[: len(rows)].view(-1, 1) * ps + self._offsets)
+        return states
+
+    def _apply(self, plan: SeqPlan) -> SeqState:
+        """One sequence's delta but its token slots: validation, a fresh table on reset, columns and
+        page count (the caller writes the slots)."""
         if plan.reset:
             if plan.page_start != 0 or plan.sampling is None:
                 raise WireError(f"{plan.rid}: a fresh page table starts at 0 with its sampling parameters")
@@ -154,14 +182,10 @@ class PageTables:
             state = got
             if plan.page_start > state.num_pages:
                 raise WireError(f"{plan.rid}: page delta at {plan.page_start} past its {state.num_pages} pages")
-        k = new_pages.numel()
+        k = plan.num_new_pages
         if k:
-            ps = self.page_size
             end = plan.page_start + k
-            self._fit_columns(end * ps)
-            self.table[state.row, plan.page_start * ps : end * ps] = (new_pages.view(-1, 1) * ps + self._offsets).view(
-                -1
-            )
+            self._fit_columns(end * self.page_size)
             state.num_pages = max(state.num_pages, end)
         if state.num_pages * self.page_size < plan.prefix_len + plan.new_len:
             raise WireError(f"{plan.rid}: {state.num_pages} pages cannot hold {plan.prefix_len + plan.new_len} tokens")

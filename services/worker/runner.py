@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from himamba.common.messages import RunBatch, SeqPlan
-from himamba.common.wire import WireError, get_tensor
+from himamba.common.wire import WireError, get_ints, get_tensor
 from himamba.services.worker.forward_batch import Capture, ForwardBatch
 from himamba.services.worker.page_tables import PageTables, SeqState
 from himamba.services.worker.penalties import host_values
@@ -28,6 +28,7 @@ def build_forward_batch(
     ids_cpu = get_tensor(frames, plan.input_ids)
     input_ids = ids_cpu.to(device=device, dtype=torch.int64)
     pages_cpu = get_tensor(frames, plan.pages)
+    page_values = get_ints(frames, plan.pages)
     seqs = plan.seqs
     if input_ids.numel() != sum(s.new_len for s in seqs):
         raise WireError(f"input_ids has {input_ids.numel()} tokens, plan says {sum(s.new_len for s in seqs)}")
@@ -35,8 +36,8 @@ def build_forward_batch(
         raise WireError("pages tensor does not match the plan")
     start = 0
     for s in seqs:
-        # Checked on the host copy, before it goes to the device (no synchronisation there).
-        tables.check_pages(s, pages_cpu[start : start + s.num_new_pages])
+        # Checked on the host, before the pages go to the device (no synchronisation there).
+        tables.check_pages(s, page_values[start : start + s.num_new_pages])
         start += s.num_new_pages
         if not (0 <= s.state_slot < num_slots):
             raise WireError(f"state slot {s.state_slot} out of range")
@@ -47,13 +48,11 @@ def build_forward_batch(
                 raise WireError(f"{s.rid}: capture ({off}, {slot}) out of range")
 
     pages = pages_cpu.to(device=device, dtype=torch.int64)
-    states: list[SeqState] = []
+    # One scatter of every sequence's new pages: a launch per sequence would grow the step with the batch.
+    states = tables.update_all(seqs, pages)
     positions, write_slots, seq_slots = [], [], []
-    start = tok = 0
-    for s in seqs:
-        state = tables.update(s, pages[start : start + s.num_new_pages])
-        start += s.num_new_pages
-        states.append(state)
+    tok = 0
+    for s, state in zip(seqs, states, strict=True):
         total = s.prefix_len + s.new_len
         slots = state.token_slots(total)
         seq_slots.append(slots)
@@ -79,6 +78,8 @@ def build_forward_batch(
     )
     if plan.mode == "prefill":
         batch.seq_slots = seq_slots
+        # The varlen attention's [B, longest context] table: one gather of the sequences' rows.
+        batch.prefill_slots = tables.decode_table(states, max(s.prefix_len + s.new_len for s in seqs))
     else:
         lens = [s.prefix_len + 1 for s in seqs]
         batch.slot_table = tables.decode_table(states, max(lens))  # one gather of the sequences' rows

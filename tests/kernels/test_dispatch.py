@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import himamba.kernels as kernels
-from himamba.kernels import dispatch
+from himamba.kernels import dispatch, segmented, varlen
 from himamba.kernels.reference import attention, conv1d, delta_rule, moe, norm, selective_scan, ssd, state_rows
 
 REFERENCES = {
@@ -38,6 +38,24 @@ RESULT_TYPES = {
     "Routing": moe.Routing,
 }
 
+# Varlen prefill ops: their reference is `segmented`'s loop over the per-segment op (its first parameter).
+VARLEN = {
+    "causal_conv1d_varlen": segmented.conv1d_varlen,
+    "ssd_scan_varlen": segmented.ssd_scan_varlen,
+    "selective_scan_varlen": segmented.selective_scan_varlen,
+    "chunk_gated_delta_rule_varlen": segmented.gated_delta_rule_varlen,
+    "paged_attention_prefill_varlen": segmented.attention_prefill_varlen,
+}
+LAYOUT = {"Varlen": varlen.Varlen, "make_varlen": varlen.make_varlen}
+
+
+@pytest.mark.parametrize("name", sorted(VARLEN))
+def test_varlen_op_takes_what_its_segment_loop_takes(name: str) -> None:
+    loop = list(inspect.signature(VARLEN[name]).parameters.values())[1:]
+    op = list(inspect.signature(getattr(dispatch, name)).parameters.values())
+    assert [(p.name, p.annotation) for p in op] == [(p.name, p.annotation) for p in loop]
+    assert getattr(kernels, name) is getattr(dispatch, name)
+
 
 @pytest.mark.parametrize("name", sorted(REFERENCES))
 def test_dispatch_signature_equals_reference(name: str) -> None:
@@ -46,8 +64,8 @@ def test_dispatch_signature_equals_reference(name: str) -> None:
 
 
 def test_package_exports_every_op_and_result_type() -> None:
-    assert set(kernels.__all__) == set(REFERENCES) | set(RESULT_TYPES)
-    for name, cls in RESULT_TYPES.items():
+    assert set(kernels.__all__) == set(REFERENCES) | set(RESULT_TYPES) | set(VARLEN) | set(LAYOUT)
+    for name, cls in (RESULT_TYPES | LAYOUT).items():
         assert getattr(kernels, name) is cls
 
 

@@ -565,3 +565,99 @@ def model_prefill_decode(architecture: str) -> int:
     for got, want in zip(steps["triton"], steps["reference"], strict=True):
         count += check(got, want, scale=25)
     return count
+
+
+# ------------------------------------------------------------------------------ varlen prefill
+# Three sequences packed on one token axis, one with a cached prefix (its initial state in its slot),
+# and captures at page boundaries (16, 32) and one either side, inside chunks, and twice at one offset:
+# every twin against `segmented` over the reference ops (a prefill of exactly that prefix).
+VARLEN_LENS = [5, 40, 19]
+VARLEN_PREFIX = [0, 16, 3]
+VARLEN_SLOTS = [7, 2, 5]
+VARLEN_CAPTURES = [[(4, 0), (5, 12)], [(15, 1), (16, 3), (17, 4), (23, 6), (32, 8)], [(1, 9), (18, 10), (18, 11)]]
+VARLEN_POOL = 14
+
+
+def _varlen(layout: str) -> tuple[Any, torch.Tensor]:
+    from himamba.kernels.varlen import make_varlen
+
+    captures = VARLEN_CAPTURES if layout == "captures" else [[], [], []]
+    return make_varlen(VARLEN_LENS, VARLEN_PREFIX, captures, DEVICE), idx(VARLEN_SLOTS)
+
+
+def _segmented() -> Any:
+    return importlib.import_module("himamba.kernels.segmented")
+
+
+def _pools(shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    pool = rand(VARLEN_POOL, *shape, seed=seed, dtype=dtype)
+    return pool, pool.clone()
+
+
+@case(layout=["captures", "plain"], dtype=[torch.float32, torch.float16])
+def causal_conv1d_varlen(layout: str, dtype: torch.dtype) -> int:
+    v, slots = _varlen(layout)
+    channels, width = 40, 4
+    x = columns(rand(v.num_tokens, channels, seed=1, dtype=dtype), 24, seed=2)
+    w, bias = rand(channels, width, seed=3, dtype=dtype), rand(channels, seed=4, dtype=dtype)
+    want_pool, got_pool = _pools((channels, width - 1), seed=5, dtype=dtype)
+    want = _segmented().conv1d_varlen(ref("conv1d").causal_conv1d, x, w, bias, want_pool, slots, v, "silu")
+    got = twin("conv1d").causal_conv1d_varlen(x, w, bias, got_pool, slots, v, "silu")
+    return check(got, want, dtype) + check(got_pool, want_pool, dtype)
+
+
+@case(layout=["captures", "plain"], groups=[1, 2])
+def ssd_scan_varlen(layout: str, groups: int) -> int:
+    v, slots = _varlen(layout)
+    args = _ssd_inputs(1, v.num_tokens, 4, 16, groups)
+    packed = [args[n][0] for n in ("x", "dt", "A", "B", "C")]
+    packed[2] = args["A"]
+    want_pool, got_pool = _pools((4, 16, 16), seed=9)
+    rest = (16, args["D"], args["dt_bias"], True, (0.0, float("inf")))
+    want = _segmented().ssd_scan_varlen(ref("ssd").ssd_scan, *packed, *rest, want_pool, slots, v)
+    got = twin("ssd").ssd_scan_varlen(*packed, *rest, got_pool, slots, v)
+    return check(got, want, scale=5) + check(got_pool, want_pool, scale=5)
+
+
+@case(layout=["captures", "plain"], channels=[24])
+def selective_scan_varlen(layout: str, channels: int) -> int:
+    v, slots = _varlen(layout)
+    args = _mamba1_inputs(1, v.num_tokens, channels)
+    packed = [args["u"][0], args["delta"][0], args["A"], args["B"][0], args["C"][0], args["D"], args["z"][0]]
+    want_pool, got_pool = _pools((channels, 16), seed=9)
+    want = _segmented().selective_scan_varlen(
+        ref("selective_scan").selective_scan, *packed, args["delta_bias"], True, want_pool, slots, v
+    )
+    got = twin("selective_scan").selective_scan_varlen(*packed, args["delta_bias"], True, got_pool, slots, v)
+    return check(got, want, scale=5) + check(got_pool, want_pool, scale=5)
+
+
+@case(layout=["captures", "plain"], heads=["2:4"])
+def chunk_gated_delta_rule_varlen(layout: str, heads: str) -> int:
+    v, slots = _varlen(layout)
+    k_heads, v_heads = map(int, heads.split(":"))
+    q, k, val, g, beta, _ = _delta_inputs(1, v.num_tokens, k_heads, v_heads, 16, 48)
+    q, k, val, g, beta = (t[0] for t in (q, k, val, g, beta))
+    want_pool, got_pool = _pools((v_heads, 16, 48), seed=9)
+    want_pool.mul_(0.1), got_pool.mul_(0.1)
+    want = _segmented().gated_delta_rule_varlen(
+        ref("delta_rule").chunk_gated_delta_rule, q, k, val, g, beta, 16, want_pool, slots, v, True, None
+    )
+    got = twin("delta_rule").chunk_gated_delta_rule_varlen(q, k, val, g, beta, 16, got_pool, slots, v, True, None)
+    return check(got, want, scale=10) + check(got_pool, want_pool, scale=10)
+
+
+@case(gqa=["8:2", "4:4"], head_dim=[64])
+def paged_attention_prefill_varlen(gqa: str, head_dim: int) -> int:
+    v, _ = _varlen("plain")
+    q_heads, kv_heads = map(int, gqa.split(":"))
+    k_cache, v_cache = _pool(kv_heads, head_dim, torch.float32)
+    width = max(p + n for p, n in zip(VARLEN_PREFIX, VARLEN_LENS, strict=True)) + 3
+    table = torch.stack([_slots(width, seed=20 + i) for i in range(len(VARLEN_LENS))])
+    q = rand(v.num_tokens, q_heads, head_dim, seed=13)
+    scale = head_dim**-0.5
+    want = _segmented().attention_prefill_varlen(
+        ref("attention").paged_attention_prefill, q, k_cache, v_cache, table, v, scale
+    )
+    got = twin("attention").paged_attention_prefill_varlen(q, k_cache, v_cache, table, v, scale)
+    return check(got, want, scale=5)

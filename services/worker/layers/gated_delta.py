@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from himamba.kernels import (
-    causal_conv1d,
     causal_conv1d_update,
-    chunk_gated_delta_rule,
+    causal_conv1d_varlen,
+    chunk_gated_delta_rule_varlen,
     recurrent_gated_delta_rule_update,
 )
 from himamba.services.worker.forward_batch import ForwardBatch
@@ -24,7 +24,6 @@ from himamba.services.worker.layers.conv_activation import conv_activation
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.mamba2 import DepthwiseConv
 from himamba.services.worker.layers.pool_rows import decode_rows, write_back
-from himamba.services.worker.layers.recurrent_segments import State, run_prefill
 from himamba.services.worker.pools import StateComponent
 
 # FLA's and transformers' chunk length for the chunked delta rule.
@@ -149,28 +148,15 @@ class GatedDeltaNet(nn.Module):
             )
             write_back(state["recurrent"], slots, rec)
         else:
-
-            def step(start: int, end: int, carried: State | None) -> tuple[torch.Tensor, State]:
-                conv = causal_conv1d(
-                    mixed[start:end].t().unsqueeze(0),
-                    weight,
-                    None,
-                    None if carried is None else carried["conv"],
-                    self.conv_act.fused,
-                )
-                q, k, v = self._split_heads(self.conv_act.apply(conv.out[0].t()).unsqueeze(0))
-                delta = chunk_gated_delta_rule(
-                    q,
-                    k,
-                    v,
-                    g[start:end].unsqueeze(0),
-                    beta[start:end].unsqueeze(0),
-                    _CHUNK_SIZE,
-                    initial_state=None if carried is None else carried["recurrent"],
-                    use_qk_l2norm=True,
-                )
-                return delta.out[0], {"conv": conv.final_state, "recurrent": delta.final_state}
-
-            out = run_prefill(batch, state, step)
+            # One conv and one delta rule for every sequence of the batch (captures and final states included).
+            assert batch.state_slots is not None
+            v = batch.varlen
+            conv_out = self.conv_act.apply(
+                causal_conv1d_varlen(mixed, weight, None, state["conv"], batch.state_slots, v, self.conv_act.fused)
+            )
+            q, k, val = self._split_heads(conv_out)
+            out = chunk_gated_delta_rule_varlen(
+                q, k, val, g, beta, _CHUNK_SIZE, state["recurrent"], batch.state_slots, v, use_qk_l2norm=True
+            )
         out = self.norm(out, z)
         return self.out_proj(out.reshape(x.shape[0], self.value_dim))

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from himamba.kernels import (
-    causal_conv1d,
     causal_conv1d_update,
-    selective_scan,
+    causal_conv1d_varlen,
+    selective_scan_varlen,
     selective_state_update_mamba1,
 )
 from himamba.services.worker.forward_batch import ForwardBatch
@@ -25,7 +25,6 @@ from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.mamba2 import DepthwiseConv
 from himamba.services.worker.layers.norm import RMSNorm
 from himamba.services.worker.layers.pool_rows import decode_rows, write_back
-from himamba.services.worker.layers.recurrent_segments import State, run_prefill
 from himamba.services.worker.pools import StateComponent
 
 
@@ -119,30 +118,14 @@ class Mamba1Mixer(nn.Module):
             )  # fmt: skip
             write_back(state["ssm"], slots, ssm)
         else:
-
-            def step(start: int, end: int, carried: State | None) -> tuple[torch.Tensor, State]:
-                conv = causal_conv1d(
-                    xs[start:end].t().unsqueeze(0),
-                    weight,
-                    self.conv1d.bias,
-                    None if carried is None else carried["conv"],
-                    self.conv_act.fused,
+            # One conv and one scan for every sequence of the batch (captures and final states included).
+            assert batch.state_slots is not None
+            v = batch.varlen
+            xc = self.conv_act.apply(
+                causal_conv1d_varlen(
+                    xs, weight, self.conv1d.bias, state["conv"], batch.state_slots, v, self.conv_act.fused
                 )
-                xc = self.conv_act.apply(conv.out[0].t())
-                dt, b, c = self._ssm_inputs(xc)
-                scan = selective_scan(
-                    xc.unsqueeze(0),
-                    dt.unsqueeze(0),
-                    A,
-                    b.unsqueeze(0),
-                    c.unsqueeze(0),
-                    D=self.D,
-                    z=z[start:end].unsqueeze(0),
-                    delta_bias=dt_bias,
-                    delta_softplus=True,
-                    initial_state=None if carried is None else carried["ssm"],
-                )
-                return scan.y[0], {"conv": conv.final_state, "ssm": scan.final_state}
-
-            y = run_prefill(batch, state, step)
+            )
+            dt, b, c = self._ssm_inputs(xc)
+            y = selective_scan_varlen(xc, dt, A, b, c, self.D, z, dt_bias, True, state["ssm"], batch.state_slots, v)
         return self.out_proj(y)

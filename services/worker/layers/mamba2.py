@@ -14,17 +14,16 @@ import torch
 from torch import nn
 
 from himamba.kernels import (
-    causal_conv1d,
     causal_conv1d_update,
+    causal_conv1d_varlen,
     selective_state_update,
-    ssd_scan,
+    ssd_scan_varlen,
 )
 from himamba.services.worker.forward_batch import ForwardBatch
 from himamba.services.worker.layers.conv_activation import conv_activation
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.norm import GatedRMSNorm
 from himamba.services.worker.layers.pool_rows import decode_rows, write_back
-from himamba.services.worker.layers.recurrent_segments import State, run_prefill
 from himamba.services.worker.pools import StateComponent
 
 
@@ -47,10 +46,11 @@ class Mamba2Scan(nn.Module):
 
     State in the pool (one entry of `StatePool.tensors`): "conv" [slots, conv_dim, K-1] holds the
     last K-1 conv inputs, in the model dtype; "ssm" [slots, H, P, N] the SSM state, in float32.
-    A prefill walks each sequence in segments (recurrent_segments.run_prefill): from zeros when it
-    has no cached prefix, copying the state out at capture offsets, writing the final state to its
-    slot. A_log, D and dt_bias are kept in float32 whatever the model dtype. Mixers add the
-    projections, the gate and the norm around `scan`.
+    A prefill runs every sequence of the batch in one varlen conv and one varlen scan
+    (`kernels.varlen`): each from zeros when it has no cached prefix, else from its slot, the state
+    copied into capture slots at capture offsets and the final state written to its slot. A_log, D
+    and dt_bias are kept in float32 whatever the model dtype. Mixers add the projections, the gate
+    and the norm around `scan`.
     """
 
     def __init__(
@@ -105,38 +105,40 @@ class Mamba2Scan(nn.Module):
         """xBC [T, conv_dim] and dt [T, H] -> y [T, H * P]; reads and writes this layer's `state`."""
         if batch.mode == "decode":
             return self._decode(xbc, dt, batch, state)
-        return run_prefill(batch, state, lambda start, end, carried: self._segment(xbc, dt, start, end, carried))
+        return self._prefill(xbc, dt, batch, state)
 
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         gn = self.n_groups * self.state_size
         return xbc.split([self.intermediate_size, gn, gn], dim=-1)
 
-    def _segment(
-        self, xbc: torch.Tensor, dt: torch.Tensor, start: int, end: int, carried: State | None
-    ) -> tuple[torch.Tensor, State]:
-        length, groups, n = end - start, self.n_groups, self.state_size
-        conv = causal_conv1d(
-            xbc[start:end].t().unsqueeze(0),
-            self.conv1d.weight.squeeze(1),
-            self.conv1d.bias,
-            None if carried is None else carried["conv"],
+    def _prefill(
+        self, xbc: torch.Tensor, dt: torch.Tensor, batch: ForwardBatch, state: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        # One conv and one scan for every sequence of the batch; both write captures and final states.
+        assert batch.state_slots is not None  # check_batch guarantees it for models with recurrent layers
+        total, groups, n = xbc.shape[0], self.n_groups, self.state_size
+        v = batch.varlen
+        conv = causal_conv1d_varlen(
+            xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, state["conv"], batch.state_slots, v,
             self.conv_act.fused,
-        )
-        x, b, c = self._split_xbc(self.conv_act.apply(conv.out[0].t()))
-        scan = ssd_scan(
-            x.reshape(1, length, self.num_heads, self.head_dim),
-            dt[start:end].unsqueeze(0),
+        )  # fmt: skip
+        x, b, c = self._split_xbc(self.conv_act.apply(conv))
+        y = ssd_scan_varlen(
+            x.reshape(total, self.num_heads, self.head_dim),
+            dt,
             -torch.exp(self.A_log),
-            b.reshape(1, length, groups, n),
-            c.reshape(1, length, groups, n),
+            b.reshape(total, groups, n),
+            c.reshape(total, groups, n),
             self.chunk_size,
-            D=self.D,
-            dt_bias=self.dt_bias,
-            dt_softplus=True,
-            dt_limit=self.dt_limit,
-            initial_state=None if carried is None else carried["ssm"],
+            self.D,
+            self.dt_bias,
+            True,
+            self.dt_limit,
+            state["ssm"],
+            batch.state_slots,
+            v,
         )
-        return scan.y.reshape(length, self.intermediate_size), {"conv": conv.final_state, "ssm": scan.final_state}
+        return y.reshape(total, self.intermediate_size)
 
     def _decode(
         self, xbc: torch.Tensor, dt: torch.Tensor, batch: ForwardBatch, state: dict[str, torch.Tensor]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from himamba.kernels import paged_attention_decode, paged_attention_prefill, write_kv
+from himamba.kernels import paged_attention_decode, paged_attention_prefill_varlen, write_kv
 from himamba.services.worker.forward_batch import ForwardBatch
 
 
@@ -21,18 +21,9 @@ def paged_attend(
     """q [T, Hq, D], k/v [T, Hkv, D] (positions already applied) -> [T, Hq, D].
 
     Writes the new K/V at `batch.write_slots` first, so each sequence attends causally to its cached
-    prefix and its own new tokens.
+    prefix and its own new tokens; a prefill attends for every sequence in one varlen call.
     """
     write_kv(k_cache, v_cache, batch.write_slots, k, v)
     if batch.mode == "decode":
         return paged_attention_decode(q, k_cache, v_cache, batch.slot_table, batch.seq_lens, scale)
-    outs = []
-    start = 0
-    for i, n in enumerate(batch.new_lens):
-        outs.append(
-            paged_attention_prefill(
-                q[start : start + n], k_cache, v_cache, batch.seq_slots[i], batch.prefix_lens[i], scale
-            )
-        )
-        start += n
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    return paged_attention_prefill_varlen(q, k_cache, v_cache, batch.prefill_table, batch.varlen, scale)

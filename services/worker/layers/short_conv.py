@@ -9,12 +9,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from himamba.kernels import causal_conv1d, causal_conv1d_update
+from himamba.kernels import causal_conv1d_update, causal_conv1d_varlen
 from himamba.services.worker.forward_batch import ForwardBatch
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.mamba2 import DepthwiseConv
 from himamba.services.worker.layers.pool_rows import decode_rows, write_back
-from himamba.services.worker.layers.recurrent_segments import State, run_prefill
 from himamba.services.worker.pools import StateComponent
 
 
@@ -53,11 +52,7 @@ class ShortConv(nn.Module):
             y = causal_conv1d_update(bx, conv.state, weight, self.conv.bias, None, conv_state_indices=conv.indices)
             write_back(state["conv"], batch.state_slots, conv)
         else:
-
-            def step(start: int, end: int, carried: State | None) -> tuple[torch.Tensor, State]:
-                initial = None if carried is None else carried["conv"]
-                res = causal_conv1d(bx[start:end].t().unsqueeze(0), weight, self.conv.bias, initial, None)
-                return res.out[0].t(), {"conv": res.final_state}
-
-            y = run_prefill(batch, state, step)
+            # One conv for every sequence of the batch (captures and final states included).
+            assert batch.state_slots is not None
+            y = causal_conv1d_varlen(bx, weight, self.conv.bias, state["conv"], batch.state_slots, batch.varlen, None)
         return self.out_proj(c * y)
