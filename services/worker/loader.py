@@ -17,6 +17,7 @@ from himamba.services.worker.layers.cpu_packing import pack_model
 from himamba.services.worker.models.base import HybridModel
 from himamba.services.worker.models.hf_config import read_config_json
 from himamba.services.worker.models.registry import architecture_of, model_class
+from himamba.services.worker.tensor_parallel import group
 
 _DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
 # Below this a checkpoint loads in about a second: no progress display unless asked for.
@@ -102,6 +103,11 @@ def load_model(
     model_dir = Path(model_dir)
     raw = read_config_json(model_dir)
     cls = model_class(architecture_of(raw))
+    if group().size > 1 and not getattr(cls, "supports_tensor_parallel", False):
+        raise ValueError(
+            f"tensor parallelism: {architecture_of(raw)} is not sharded yet (NemotronH, Qwen3-Next and "
+            "Granite-4.0-H are): serve it with --tensor-parallel-size 1"
+        )
     model = cls.from_hf_config(raw, torch.device(device), dtype if dtype is not None else config_dtype(raw))
     files = checkpoint_files(model_dir)
     if progress is None:

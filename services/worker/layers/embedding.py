@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from himamba.services.worker.layers.cpu_packing import Packed, can_pack, pack, packed_linear
+from himamba.services.worker.tensor_parallel import all_gather_last, group, mark, split
 
 
 class VocabEmbedding(nn.Module):
@@ -37,6 +38,10 @@ class LMHead(nn.Module):
     Callers pass only the rows whose logits are needed (each sequence's last token), so the
     [T, vocab] product of a long prefill is never formed. With `tied_to`, the head reuses the
     embedding table and owns no parameter (its checkpoint entry, if any, is not needed).
+
+    Under tensor parallelism an untied head whose vocabulary divides by N is vocab-parallel: each rank
+    computes its share of the logits and every rank gets all of them (one all-gather). The embedding
+    table is replicated (a lookup costs nothing to repeat), and so is a head tied to it.
     """
 
     def __init__(
@@ -52,11 +57,15 @@ class LMHead(nn.Module):
         self.logits_divisor = logits_divisor
         # A tuple keeps the tied embedding out of this module's registered children (and names).
         self._tied = (tied_to,) if tied_to is not None else ()
+        self.vocab_parallel = tied_to is None and group().size > 1 and vocab_size % group().size == 0
+        rows = vocab_size // group().size if self.vocab_parallel else vocab_size
         self.weight = (
             None
             if tied_to is not None
-            else nn.Parameter(torch.empty(vocab_size, hidden_size, device=device, dtype=dtype), requires_grad=False)
+            else nn.Parameter(torch.empty(rows, hidden_size, device=device, dtype=dtype), requires_grad=False)
         )
+        if self.vocab_parallel:
+            mark(self.weight, split(0))
         self._packed: Packed | None = None  # packed copy of the matrix (cpu_packing); not a parameter
 
     @property
@@ -67,6 +76,7 @@ class LMHead(nn.Module):
         """Drop this head's own matrix and read the embedding table from now on."""
         self._tied = (embedding,)
         self.weight = None
+        self.vocab_parallel = False
         self._packed = None
 
     def pack_for_cpu(self) -> bool:
@@ -83,6 +93,8 @@ class LMHead(nn.Module):
             logits = packed_linear(hidden, self._packed, None).float()
         else:
             logits = F.linear(hidden, weight).float()
+        if self.vocab_parallel:
+            logits = all_gather_last(logits)
         if self.logits_divisor != 1.0:
             logits = logits / self.logits_divisor
         return logits

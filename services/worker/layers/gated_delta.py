@@ -25,6 +25,7 @@ from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.mamba2 import DepthwiseConv
 from himamba.services.worker.layers.pool_rows import decode_rows, write_back
 from himamba.services.worker.pools import StateComponent
+from himamba.services.worker.tensor_parallel import divide, mark, split
 
 # FLA's and transformers' chunk length for the chunked delta rule.
 _CHUNK_SIZE = 64
@@ -73,6 +74,11 @@ class GatedDeltaNet(nn.Module):
         self.conv_act = conv_activation(activation)
         if conv_kernel < 2:
             raise ValueError(f"linear_conv_kernel_dim must be >= 2, got {conv_kernel}")
+        # Under tensor parallelism a rank keeps whole key heads with their value heads: the projections
+        # are laid out per key head, so a contiguous share of them is a share of both.
+        full_key_dim, full_value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        num_k_heads = divide(num_k_heads, "the gated delta key heads")
+        num_v_heads = num_k_heads * (num_v_heads // (full_key_dim // head_k_dim))
         self.num_k_heads = num_k_heads
         self.num_v_heads = num_v_heads
         self.head_k_dim = head_k_dim
@@ -82,14 +88,18 @@ class GatedDeltaNet(nn.Module):
         self.key_dim = num_k_heads * head_k_dim
         self.value_dim = num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.in_proj_qkvz = Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, False, device, dtype)
-        self.in_proj_ba = Linear(hidden_size, 2 * num_v_heads, False, device, dtype)
+        full_v_heads = full_value_dim // head_v_dim
+        self.in_proj_qkvz = Linear(hidden_size, 2 * full_key_dim + 2 * full_value_dim, False, device, dtype, "column")
+        self.in_proj_ba = Linear(hidden_size, 2 * full_v_heads, False, device, dtype, "column")
         self.conv1d = DepthwiseConv(self.conv_dim, conv_kernel, False, device, dtype)
+        mark(self.conv1d.weight, split(0, (full_key_dim, full_key_dim, full_value_dim)))
         f32 = torch.float32
         self.dt_bias = nn.Parameter(torch.empty(num_v_heads, device=device, dtype=f32), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(num_v_heads, device=device, dtype=f32), requires_grad=False)
         self.norm = HeadGatedRMSNorm(head_v_dim, norm_eps, device, dtype)
-        self.out_proj = Linear(self.value_dim, hidden_size, False, device, dtype)
+        mark(self.dt_bias, split(0))
+        mark(self.A_log, split(0))
+        self.out_proj = Linear(full_value_dim, hidden_size, False, device, dtype, parallel="row")
 
     def state_components(self) -> tuple[StateComponent, ...]:
         """This layer's entries of the state pool: "conv" (model dtype) and "recurrent" (float32)."""

@@ -30,9 +30,10 @@ class GatedMLP(nn.Module):
         self.act = activation_fn(activation)
         self.gate_multiplier = gate_multiplier
         self.down_multiplier = down_multiplier
-        self.gate_proj = Linear(hidden_size, intermediate_size, bias, device, dtype)
-        self.up_proj = Linear(hidden_size, intermediate_size, bias, device, dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias, device, dtype)
+        # Column-then-row under tensor parallelism: one all-reduce, in down_proj.
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias, device, dtype, "column")
+        self.up_proj = Linear(hidden_size, intermediate_size, bias, device, dtype, "column")
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, device, dtype, "row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.gate_proj(x)

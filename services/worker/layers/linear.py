@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from himamba.services.worker.layers.cpu_packing import Packed, can_pack, pack, packed_linear
+from himamba.services.worker.tensor_parallel import all_reduce, divide, mark, rank0_only, split
 
 
 class Linear(nn.Module):
@@ -14,12 +15,28 @@ class Linear(nn.Module):
 
     Unlike `torch.nn.Linear` nothing is initialised: building a large model must not spend time on
     random numbers that `load_weights` overwrites (it rejects a model with any weight left unloaded).
+
+    Under tensor parallelism (sizes are always the full model's): `parallel="column"` keeps this rank's
+    share of the outputs (of each of `parts`, the consecutive blocks of a fused projection), `"row"` its
+    share of the inputs and sums the ranks' outputs (one all-reduce; the bias is rank 0's).
     """
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, device: torch.device, dtype: torch.dtype
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        device: torch.device,
+        dtype: torch.dtype,
+        parallel: str = "none",
+        parts: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__()
+        self.row_parallel = parallel == "row"
+        if parallel == "column":
+            out_features = sum(divide(p, "a projection's output block") for p in (parts or (out_features,)))
+        elif parallel == "row":
+            in_features = divide(in_features, "a projection's input width")
         self.in_features = in_features
         self.out_features = out_features
         self.weight = nn.Parameter(
@@ -28,6 +45,12 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
         )
+        if parallel == "column":
+            mark(self.weight, split(0, parts))
+            mark(self.bias, split(0, parts))
+        elif parallel == "row":
+            mark(self.weight, split(1))
+            mark(self.bias, rank0_only)
         self._packed: Packed | None = None  # packed copy of weight (cpu_packing); not a parameter
         self._fused = False  # a parent packs this weight with its siblings' (fused_into_parent)
 
@@ -44,5 +67,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
-            return packed_linear(x, self._packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            out = packed_linear(x, self._packed, self.bias)
+        else:
+            out = F.linear(x, self.weight, self.bias)
+        return all_reduce(out) if self.row_parallel else out

@@ -25,6 +25,7 @@ from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.norm import GatedRMSNorm
 from himamba.services.worker.layers.pool_rows import decode_rows, write_back
 from himamba.services.worker.pools import StateComponent
+from himamba.services.worker.tensor_parallel import divide, mark, split
 
 
 class DepthwiseConv(nn.Module):
@@ -51,6 +52,9 @@ class Mamba2Scan(nn.Module):
     copied into capture slots at capture offsets and the final state written to its slot. A_log, D
     and dt_bias are kept in float32 whatever the model dtype. Mixers add the projections, the gate
     and the norm around `scan`.
+
+    Sizes are the full model's; under tensor parallelism this rank keeps its share of the heads and of
+    the `n_groups` groups (both must divide by N), the conv channels of both, and its state in the pool.
     """
 
     def __init__(
@@ -76,6 +80,10 @@ class Mamba2Scan(nn.Module):
             raise ValueError(f"conv_kernel must be >= 2, got {conv_kernel}")
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        full_width, full_gn = num_heads * head_dim, n_groups * state_size
+        self.full_parts = (full_width, full_gn, full_gn)  # the conv channels' blocks, before sharding
+        num_heads = divide(num_heads, "the Mamba2 heads")
+        n_groups = divide(n_groups, "the Mamba2 n_groups (replicated groups are not supported yet)")
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.state_size = state_size
@@ -91,6 +99,10 @@ class Mamba2Scan(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(num_heads, device=device, dtype=f32), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(num_heads, device=device, dtype=f32), requires_grad=False)
         self.D = nn.Parameter(torch.empty(num_heads, device=device, dtype=f32), requires_grad=False)
+        mark(self.conv1d.weight, split(0, self.full_parts))
+        mark(self.conv1d.bias, split(0, self.full_parts))
+        for p in (self.dt_bias, self.A_log, self.D):
+            mark(p, split(0))
 
     def state_components(self) -> tuple[StateComponent, ...]:
         """This layer's entries of the state pool: "conv" (model dtype) and "ssm" (float32)."""
@@ -200,10 +212,15 @@ class Mamba2Mixer(Mamba2Scan):
             conv_kernel=conv_kernel, chunk_size=chunk_size, dt_limit=dt_limit, conv_bias=conv_bias,
             device=device, dtype=dtype, activation=activation,
         )  # fmt: skip
-        width = self.intermediate_size
-        self.in_proj = Linear(hidden_size, width + self.conv_dim + num_heads, proj_bias, device, dtype)
-        self.norm = GatedRMSNorm(width, width // n_groups, norm_eps, device, dtype)
-        self.out_proj = Linear(width, hidden_size, proj_bias, device, dtype)
+        width = self.intermediate_size  # this rank's share
+        full_width = self.full_parts[0]
+        self.in_proj = Linear(
+            hidden_size, full_width + sum(self.full_parts) + num_heads, proj_bias, device, dtype,
+            parallel="column", parts=(full_width, *self.full_parts, num_heads),
+        )  # fmt: skip
+        self.norm = GatedRMSNorm(width, width // self.n_groups, norm_eps, device, dtype)
+        mark(self.norm.weight, split(0))
+        self.out_proj = Linear(full_width, hidden_size, proj_bias, device, dtype, parallel="row")
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; reads and writes this layer's `state` pool tensors."""

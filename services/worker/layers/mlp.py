@@ -23,8 +23,9 @@ class MLP(nn.Module):
     ) -> None:
         super().__init__()
         self.act = inplace_activation_fn(activation)  # applied to up_proj's fresh output
-        self.up_proj = Linear(hidden_size, intermediate_size, bias, device, dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias, device, dtype)
+        # Column-then-row under tensor parallelism: one all-reduce, in down_proj.
+        self.up_proj = Linear(hidden_size, intermediate_size, bias, device, dtype, "column")
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, device, dtype, "row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(x)))
@@ -44,9 +45,10 @@ class FusedGatedMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.act = activation_fn(activation)
-        self.intermediate_size = intermediate_size
-        self.input_linear = Linear(hidden_size, 2 * intermediate_size, bias, device, dtype)
-        self.output_linear = Linear(intermediate_size, hidden_size, bias, device, dtype)
+        parts = (intermediate_size, intermediate_size)
+        self.input_linear = Linear(hidden_size, 2 * intermediate_size, bias, device, dtype, "column", parts)
+        self.output_linear = Linear(intermediate_size, hidden_size, bias, device, dtype, "row")
+        self.intermediate_size = self.output_linear.in_features  # this rank's share
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.input_linear(x).split(self.intermediate_size, dim=-1)

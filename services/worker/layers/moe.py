@@ -16,6 +16,7 @@ from torch import nn
 from himamba.kernels import Routing, moe_experts, moe_route
 from himamba.kernels.dispatch import PackedExperts, pack_experts, packed_moe_experts
 from himamba.services.worker.layers.activation import activation_fn
+from himamba.services.worker.tensor_parallel import all_reduce, divide, mark, split
 
 # HF config names (`hidden_act`) the kernels know under another name.
 _KERNEL_ACTIVATION = {"swish": "silu", "gelu_new": "gelu_pytorch_tanh"}
@@ -96,7 +97,11 @@ class SigmoidGroupTopKRouter(nn.Module):
 
 class RoutedExperts(nn.Module):
     """`num_experts` feed-forward experts applied to the tokens routed to them, weighted and summed
-    (`kernels.moe_experts`; accumulates in float32)."""
+    (`kernels.moe_experts`; accumulates in float32).
+
+    Under tensor parallelism every rank holds every expert's share of the intermediate rows (tensor
+    slicing, as sglang and vLLM do without expert parallelism) and the outputs are summed by one all-reduce.
+    """
 
     def __init__(
         self,
@@ -113,6 +118,8 @@ class RoutedExperts(nn.Module):
         self.activation = _KERNEL_ACTIVATION.get(activation, activation)
         self.num_experts = num_experts
         self.gated = gated
+        full = intermediate_size
+        intermediate_size = divide(intermediate_size, "the experts' intermediate size")
         self.intermediate_size = intermediate_size
         up_rows = 2 * intermediate_size if gated else intermediate_size
         up = nn.Parameter(
@@ -123,6 +130,8 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, hidden_size, intermediate_size, device=device, dtype=dtype), requires_grad=False
         )
+        mark(up, split(1, (full, full) if gated else None))
+        mark(self.down_proj, split(2))
         self._packed: PackedExperts | None = None  # packed copy of the weights (cpu_packing); not parameters
 
     def pack_for_cpu(self) -> bool:
@@ -138,5 +147,5 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden] in x's dtype."""
         if self._packed is not None:
-            return packed_moe_experts(x, routing, self._packed, self.activation)
-        return moe_experts(x, routing, self._up, self.down_proj, self.activation, self.gated)
+            return all_reduce(packed_moe_experts(x, routing, self._packed, self.activation))
+        return all_reduce(moe_experts(x, routing, self._up, self.down_proj, self.activation, self.gated))

@@ -11,6 +11,7 @@ from himamba.services.worker.forward_batch import ForwardBatch
 from himamba.services.worker.layers.cpu_packing import Packed, can_pack, pack, packed_linear
 from himamba.services.worker.layers.linear import Linear
 from himamba.services.worker.layers.paged_attend import paged_attend
+from himamba.services.worker.tensor_parallel import divide, group, mark, replicated_heads, split
 
 
 class ProjectedAttention(nn.Module):
@@ -18,6 +19,9 @@ class ProjectedAttention(nn.Module):
     forward shapes q/k/v per head, applies what its family adds, then calls `attend`.
 
     `q_per_head`: head-sized q_proj outputs per head (2 for Qwen3-Next's [q | gate]).
+
+    Head counts are the full model's; under tensor parallelism this rank keeps its share of the query
+    heads and of the KV heads, or, when there are fewer KV heads than ranks, the one its queries read.
     """
 
     def __init__(
@@ -37,13 +41,28 @@ class ProjectedAttention(nn.Module):
         super().__init__()
         if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
             raise ValueError(f"num_key_value_heads ({num_kv_heads}) must divide num_attention_heads ({num_heads})")
+        full_kv_heads = num_kv_heads
+        self.full_heads = num_heads
+        n = group().size
+        replicate_kv = num_kv_heads < n
+        if replicate_kv and n % num_kv_heads:
+            raise ValueError(
+                f"tensor parallelism: the KV heads ({num_kv_heads}) neither divide by nor divide "
+                f"--tensor-parallel-size {n}"
+            )
+        num_heads = divide(num_heads, "the attention heads")
+        num_kv_heads = 1 if replicate_kv else divide(num_kv_heads, "the KV heads")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.q_proj = Linear(in_features, q_per_head * num_heads * head_dim, bias, device, dtype)
+        self.q_proj = Linear(in_features, q_per_head * self.full_heads * head_dim, bias, device, dtype, "column")
         self.k_proj = Linear(in_features, num_kv_heads * head_dim, bias, device, dtype)
         self.v_proj = Linear(in_features, num_kv_heads * head_dim, bias, device, dtype)
-        self.add_module(out_name, Linear(num_heads * head_dim, hidden_size, bias, device, dtype))
+        kv_shard = replicated_heads(0, full_kv_heads, head_dim) if replicate_kv else split(0)
+        for p in (self.k_proj.weight, self.k_proj.bias, self.v_proj.weight, self.v_proj.bias):
+            mark(p, kv_shard)
+        out = Linear(self.full_heads * head_dim, hidden_size, bias, device, dtype, parallel="row")
+        self.add_module(out_name, out)
         self._qkv_packed: Packed | None = None  # [q | k | v] packed as one weight (pack_for_cpu)
         self._qkv_bias: Tensor | None = None
         self._qkv_sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]

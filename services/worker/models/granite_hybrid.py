@@ -193,6 +193,7 @@ class GraniteHybridLayer(MixerLayer):
 class GraniteHybridForCausalLM(HybridDecoderLM):
     """Granite-4.0-H as a `HybridModel`. Parameters are allocated uninitialised; call `load_weights`."""
 
+    supports_tensor_parallel = True
     config_type = GraniteHybridConfig
     stack_names = StackNames(embed="embed_tokens", final_norm="norm")
 

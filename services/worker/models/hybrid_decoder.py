@@ -24,6 +24,7 @@ from himamba.services.worker.models.expert_weights import merge_expert_weights, 
 from himamba.services.worker.models.weight_loading import WeightTarget, load_named_weights
 from himamba.services.worker.pools import KVPool, KVSpec, StateComponent, StatePool, StateSpec
 from himamba.services.worker.step_threads import threads_for
+from himamba.services.worker.tensor_parallel import group
 
 
 class RecurrentMixer(Protocol):
@@ -166,6 +167,8 @@ class HybridDecoderLM(nn.Module):
     skipped_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
     # MoE checkpoints may store experts one by one or stacked (see expert_weights): both load.
     merges_expert_weights: ClassVar[bool] = False
+    # Whether every layer of the family shards itself under tensor parallelism (tensor_parallel.py).
+    supports_tensor_parallel: ClassVar[bool] = False
 
     def __init__(self, cfg: FamilyConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -211,9 +214,11 @@ class HybridDecoderLM(nn.Module):
         return getattr(self, self.stack_name)
 
     def kv_spec(self) -> KVSpec:
-        """KV pool shape: one entry per attention layer, in model order."""
+        """KV pool shape: one entry per attention layer, in model order (this rank's KV heads: its share,
+        or the one head it reads when there are fewer KV heads than ranks)."""
         cfg = self.config
-        return KVSpec(self.num_attention_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+        heads = max(1, cfg.num_key_value_heads // group().size)
+        return KVSpec(self.num_attention_layers, heads, cfg.head_dim, self.dtype)
 
     def state_spec(self) -> StateSpec:
         """State pool shape: the state components of each recurrent mixer, in model order."""

@@ -215,6 +215,7 @@ class NemotronHBlock(nn.Module):
 class NemotronHForCausalLM(HybridDecoderLM):
     """NemotronH as a `HybridModel`. Parameters are allocated uninitialised; call `load_weights`."""
 
+    supports_tensor_parallel = True
     config_type = NemotronHConfig
     stack_names = StackNames(embed="embeddings", final_norm="norm_f")
     ties_head_at_build = False  # settled by the checkpoint, in load_weights

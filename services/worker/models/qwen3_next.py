@@ -210,6 +210,7 @@ class Qwen3NextLayer(MixerLayer):
 class Qwen3NextForCausalLM(HybridDecoderLM):
     """Qwen3-Next as a `HybridModel`. Parameters are allocated uninitialised; call `load_weights`."""
 
+    supports_tensor_parallel = True
     config_type = Qwen3NextConfig
     stack_names = StackNames(embed="embed_tokens", final_norm="norm")
     skipped_prefixes = ("mtp.",)  # multi-token-prediction heads

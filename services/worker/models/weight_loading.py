@@ -8,6 +8,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from himamba.services.worker.tensor_parallel import group
+
 _LISTED_NAMES = 8
 
 
@@ -40,7 +42,8 @@ def load_named_weights(
     multi-token-prediction heads). Tensors are cast to the parameter's dtype and device.
     Raises ValueError naming the missing parameters, the unexpected checkpoint names and any
     shape mismatch; every parameter must be loaded exactly (stacked ones: every row) except those
-    in `optional`. Returns the names of the parameters that were loaded.
+    in `optional`. Returns the names of the parameters that were loaded. A parameter marked with a
+    tensor-parallel shard (tensor_parallel.mark) takes its rank's share of the full tensor.
     """
     params = dict(module.named_parameters())
     whole: set[str] = set()
@@ -63,6 +66,9 @@ def load_named_weights(
                     unexpected.append(hf_name)
                     continue
                 dest = param[target.index]
+            shard = getattr(param, "tp_shard", None)
+            if shard is not None:  # the shard is of the whole (stacked) parameter: give a row its leading dim
+                tensor = shard(tensor, group()) if target.index is None else shard(tensor.unsqueeze(0), group())[0]
             if tuple(tensor.shape) != tuple(dest.shape):
                 mismatched.append(f"{hf_name}: checkpoint {tuple(tensor.shape)} vs model {tuple(dest.shape)}")
                 continue

@@ -1,0 +1,48 @@
+"""One rank of a tensor-parallel forward on the CPU: `python tp_forward_run.py MODEL_DIR RANK SIZE INIT OUT`.
+
+Joins a gloo group of SIZE ranks at INIT (a file:// store), loads MODEL_DIR sharded, prefills three prompts
+together and decodes them greedily; rank 0 writes {"tokens": [[...]], "logits": [[...]]} (the prefill's
+last-token logits) to OUT as JSON. `test_tensor_parallel_forward.py` starts one per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `tests.worker`
+
+import torch
+
+from himamba.services.worker import tensor_parallel
+from himamba.services.worker.loader import load_model
+from tests.worker.harness import Harness
+
+PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((5, 40, 70))]
+NEW_TOKENS = 8
+
+
+def main(model_dir: str, rank: int, size: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    if size > 1:
+        tensor_parallel.init_group(rank, size, init, torch.device("cpu"), timeout_s=120)
+    model = load_model(Path(model_dir))
+    harness = Harness(model, page_size=16)
+    seqs = [harness.new_sequence() for _ in PROMPTS]
+    logits = harness.prefill(seqs, PROMPTS)
+    first = logits.clone()
+    tokens: list[list[int]] = [[] for _ in PROMPTS]
+    for step in range(NEW_TOKENS):
+        next_ids = logits.argmax(-1).tolist()
+        for t, n in zip(tokens, next_ids, strict=True):
+            t.append(n)
+        if step + 1 < NEW_TOKENS:
+            logits = harness.decode(seqs, next_ids)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"tokens": tokens, "logits": first.tolist()}))
+    tensor_parallel.close_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
