@@ -83,6 +83,17 @@ class ModelConfig(_Section):
         ),
     ] = "auto"
     device: Annotated[Literal["cpu", "cuda"], doc("Where the model runs.")] = "cpu"
+    tensor_parallel_size: Annotated[
+        PositiveInt,
+        doc(
+            "Worker ranks the model is sharded over (torch.distributed: NCCL on CUDA, one GPU per rank; gloo on "
+            "the CPU, the cores shared among the ranks): attention and Mamba2 by heads, MLPs and experts by "
+            "intermediate rows, the head by vocabulary. NemotronH, Qwen3-Next and Granite-4.0-H; head counts "
+            "must divide by it.",
+            "--tp-size",
+            "--tp",
+        ),
+    ] = 1
     max_context_len: Annotated[
         PositiveInt,
         doc(
@@ -593,6 +604,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"{field_name('scheduler', 'chunked_prefill_size')} = {s.chunked_prefill_size} "
             f"must be >= {page} = {c.page_size}"
+        )
+    tp = cfg.model.tensor_parallel_size
+    if tp > 1 and c.hicache_storage_backend != "none" and c.enable_hierarchical_cache:
+        raise ConfigError(
+            f"{field_name('model', 'tensor_parallel_size')} = {tp}: the storage tier does not store sharded "
+            f"pages yet: add {flag_of('cache', 'hicache_storage_backend')} none (the device and host tiers work)"
         )
     if c.max_total_tokens and c.max_total_tokens < c.page_size:
         raise ConfigError(

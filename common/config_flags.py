@@ -55,16 +55,10 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
         "tool_choice auto is on whenever there is a tool-call parser (--tool-call-parser, auto by default).",
     ),
     CompatFlag(
-        ("--tensor-parallel-size", "--tp-size", "--tp"),
-        "refused_unless",
-        "One server runs one model on one device: run one server per device behind a router.",
-        takes_value=True,
-        allowed="1",
-    ),
-    CompatFlag(
         ("--pipeline-parallel-size", "--pp-size", "--pp"),
         "refused_unless",
-        "One server runs one model on one device.",
+        "A model is split across devices by tensor parallelism (--tensor-parallel-size), not by layers: "
+        "pipeline stages pay off across nodes, and himamba serves on one node.",
         takes_value=True,
         allowed="1",
     ),

@@ -29,10 +29,10 @@ M = TypeVar("M")
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent dies, so no orphan survives `serve`."""
+def die_with_parent(how: signal.Signals = signal.SIGTERM) -> None:
+    """Ask Linux to signal (SIGTERM) this process when its parent dies, so no orphan survives `serve`."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, how)
     except OSError:
         pass
 

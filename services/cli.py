@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
+import os
 import shutil
 import signal
 import sys
@@ -126,8 +127,16 @@ def _service(name: str, cfg: Config) -> None:
     from himamba.common.runtime_dir import InstanceLock
     from himamba.services.actor import run_actor
 
-    lock = InstanceLock(cfg, name)  # held for the process's life: one `name` per instance
+    rank = int(os.environ.get("HIMAMBA_TP_RANK", "0") or 0) if name == "worker" else 0
+    # held for the process's life: one `name` per instance (one per rank of the worker)
+    lock = InstanceLock(cfg, f"worker-rank{rank}" if rank else name)
 
+    if name == "worker" and rank:
+        from himamba.services.worker.tp_ranks import run_follower
+
+        code = run_follower(cfg, rank)
+        lock.release()
+        sys.exit(code)
     if name == "worker":
         from himamba.services.worker.service import WorkerService as cls
     elif name == "cache":

@@ -7,6 +7,11 @@ stored). Each stage has its own grace beyond that (a service is killed only past
 final line says how the stop went: what each service said its stop did, and who was killed. Each service reads the config from a pipe (it can hold the API key
 and a store password: it is never written to disk); a clean stop removes the instance's sockets
 and lock files.
+
+Under tensor parallelism the worker is N processes: rank 0 is the `worker` service the others talk to,
+ranks 1..N-1 (`worker-rank1`, ...) follow it through the torch.distributed group (worker/tp_ranks.py).
+They are supervised like the services (any death stops the server) but never signalled: rank 0 tells
+them to stop, or they stop when the group breaks; past the stage's grace they are killed by PID.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ from himamba.common.openmp_wait import openmp_wait_env
 from himamba.common.runtime_dir import InstanceLock, remove_runtime_files
 
 SERVICES = ("worker", "cache", "scheduler", "tokenizer")
+# The environment a worker rank reads its place in the tensor-parallel group from.
+ENV_TP_RANK = "HIMAMBA_TP_RANK"
+ENV_TP_INIT = "HIMAMBA_TP_INIT"
 # What a service may take to stop once asked, beyond the front door's drain: closing sockets and
 # exiting the interpreter (torch's teardown alone takes 1-3 s on a loaded machine).
 SERVICE_STOP_S = 15.0
@@ -82,14 +90,17 @@ class Launcher:
             if prepare is not None:
                 self.cfg = prepare(self.cfg)
             config = encode(self.cfg)
-            for name in SERVICES:
+            tp = self.cfg.model.tensor_parallel_size
+            names = [*(["worker"] + [f"worker-rank{r}" for r in range(1, tp)]), *SERVICES[1:]]
+            tp_init = f"tcp://127.0.0.1:{_free_port()}" if tp > 1 else ""
+            for name in names:
                 # The config (it can hold the API key and a store password) goes through a pipe:
                 # it is never written to disk, so no killed launcher leaves it behind.
                 read_end, write_end = os.pipe()
                 try:
                     proc = subprocess.Popen(
-                        child_command(name, Path(f"/dev/fd/{read_end}")),
-                        env=_child_env(name, self.cfg),
+                        child_command(name.split("-rank")[0], Path(f"/dev/fd/{read_end}")),
+                        env=_child_env(name, self.cfg, tp_init),
                         pass_fds=(read_end,),
                     )
                 finally:
@@ -187,11 +198,14 @@ class Launcher:
         killed: list[str] = []
         # The back end's grace includes what the drain left of --shutdown-timeout: the cache flushes
         # pending backups in it.
-        stages = ({"tokenizer"}, {"cache", "scheduler", "worker"})
+        ranks = {c.name for c in self.children if c.name.startswith("worker-rank")}
+        stages = ({"tokenizer"}, {"cache", "scheduler", "worker", *ranks})
         for stage in stages:
             grace = max(0.0, started + drain_s - time.monotonic()) + SERVICE_STOP_S
             live = [c for c in self.children if c.name in stage and c.proc.poll() is None]
             for c in live:
+                if c.name in ranks:
+                    continue  # rank 0 stops them through the group (or they see it break)
                 try:
                     c.proc.send_signal(how)
                 except ProcessLookupError:
@@ -273,9 +287,20 @@ def check_port_free(http: HttpConfig) -> None:
             raise ConfigError(f"port: cannot bind {http.host}:{http.port}: {e.strerror}") from None
 
 
-def _child_env(name: str, cfg: Config) -> dict[str, str]:
+def _free_port() -> int:
+    """A loopback TCP port free now, for the tensor-parallel group's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env(name: str, cfg: Config, tp_init: str = "") -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONSAFEPATH"] = "1"
+    if name.startswith("worker"):
+        env[ENV_TP_RANK] = name.removeprefix("worker-rank") if name != "worker" else "0"
+        env[ENV_TP_INIT] = tp_init
+        name = "worker"
     # OpenMP threads that spin without bound make a step 10-30x slower whenever the cores are
     # shared (several services on one machine): every service sleeps at once, except the
     # worker's threads with a bounded spin (model.omp_spin); the user's own setting wins.

@@ -3,6 +3,11 @@
 Per RunBatch: execute its copy orders (device<->host), initialise state slots, run the forward,
 sample, answer BatchDone. Orders run strictly in arrival order, which is what lets the cache
 controller reuse a page right after ordering it copied elsewhere.
+
+Under tensor parallelism this is rank 0 of N (or, built by tp_ranks.run_follower, a follower): each
+rank holds its shard of the model, of every page and of every state slot (same ids on every rank);
+rank 0 hands the followers each message that changes device state (tp_ranks.Fanout), samples from the
+gathered logits alone and answers for the group.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ from himamba.services.worker.pools import KVPool, StatePool
 from himamba.services.worker.runner import build_forward_batch, slots_to_zero
 from himamba.services.worker.sampler import sample
 from himamba.services.worker.step_threads import Choice, StepThreads
+from himamba.services.worker.tensor_parallel import close_group, init_group
+from himamba.services.worker.tp_ranks import Fanout, ranks_env
 from himamba.services.worker.warmup import warm_up_prefill
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,9 +86,12 @@ def _random_weights(model_dir: Path) -> bool:
 class WorkerService(Actor[ToWorker]):
     name = "worker"
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, rank: int = 0):
         super().__init__(cfg, cfg.endpoints.worker_ipc, ToWorker)  # type: ignore[arg-type]
-        self.device = torch.device(cfg.model.device)
+        self.tp_rank, self.tp_size = rank, cfg.model.tensor_parallel_size
+        self.fanout: Fanout | None = None  # set once the group is joined (tensor parallelism only)
+        cuda = cfg.model.device == "cuda"
+        self.device = torch.device(f"cuda:{rank}" if cuda and self.tp_size > 1 else cfg.model.device)
         self.scheduler = Outbox(self.ctx, cfg.endpoints.scheduler_ipc)
         self.cache = Outbox(self.ctx, cfg.endpoints.cache_ipc)
         self.tokenizer = Outbox(self.ctx, cfg.endpoints.tokenizer_ipc)
@@ -92,6 +102,17 @@ class WorkerService(Actor[ToWorker]):
         cfg = self.cfg
         if cfg.model.torch_threads:
             torch.set_num_threads(cfg.model.torch_threads)
+        elif self.tp_size > 1 and self.device.type == "cpu":  # the ranks share the cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
+        if self.tp_size > 1:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            _, init = ranks_env()
+            if not init:
+                raise RuntimeError("tensor parallelism: no rendezvous address (start the server with himamba serve)")
+            # In a thread: rank 0's loop still takes a stop signal while the ranks meet.
+            await asyncio.to_thread(init_group, self.tp_rank, self.tp_size, init, self.device)
+            self.fanout = Fanout(self.tp_rank)
         if cfg.model.heap_reuse:
             heap = reuse_heap()
             self.log.info("heap reuse: %s", heap.reason)
@@ -109,7 +130,8 @@ class WorkerService(Actor[ToWorker]):
         plan = plan_pools(cfg, kv_spec, state_spec, self.device)
         self.page_size = cfg.cache.page_size
         # CUDA graphs pad decode batches with a scratch page and state slot past the controller's pools.
-        graphs = self.device.type == "cuda" and not cfg.model.disable_cuda_graph
+        # No CUDA graphs under tensor parallelism yet: capturing NCCL collectives is not verified.
+        graphs = self.device.type == "cuda" and not cfg.model.disable_cuda_graph and self.tp_size == 1
         self.kv = KVPool(kv_spec, plan.num_pages + graphs, self.page_size, self.device)
         self.state = StatePool(state_spec, plan.num_state_slots + graphs, self.device)
         self.num_state_slots = plan.num_state_slots  # the controller's: slot ids past it are the worker's
@@ -162,8 +184,9 @@ class WorkerService(Actor[ToWorker]):
             await peer.send(self.info)
         if self.info.random_weights:
             self.log.warning("serving %s: RANDOM WEIGHTS (a demo checkpoint), its text is noise", model_dir)
+        tp = f"; tensor parallel rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else ""
         return (
-            f"model {model_dir.name} loaded in {time.perf_counter() - t0:.1f}s; "
+            f"model {model_dir.name} loaded in {time.perf_counter() - t0:.1f}s{tp}; "
             f"KV {plan.num_pages} pages x {self.page_size} tokens "
             f"({plan.num_pages * self.page_size * kv_spec.bytes_per_token() / 2**20:.1f} MiB), "
             f"{plan.num_state_slots} state slots ({plan.num_state_slots * state_spec.bytes_per_slot() / 2**20:.1f} MiB); "
@@ -184,6 +207,8 @@ class WorkerService(Actor[ToWorker]):
         await self.tokenizer.send(GrammarReady(key=key, error=error))
 
     async def handle(self, msg: ToWorker, frames: list[Any]) -> None:
+        if self.fanout is not None and self.tp_rank == 0 and _changes_ranks(msg):
+            self.fanout.send(msg, frames)  # the followers run it too, in the same order
         match msg:
             case RunBatch():
                 await self.on_run_batch(msg, frames)
@@ -215,6 +240,8 @@ class WorkerService(Actor[ToWorker]):
         # Every copy order ends here, done or failed, whatever happens to the forward; the cache
         # hears first, so it has rolled back failed copies before the scheduler's next step.
         copies = self.host.run_orders(msg.transfers)
+        if self.fanout is not None:  # an order is done when every rank did it
+            copies = self.fanout.merge_copies(copies)
         if copies.done or copies.failed:
             await self.cache.send(TransfersDone(op_ids=copies.done, failed=copies.failed))
         try:
@@ -233,6 +260,8 @@ class WorkerService(Actor[ToWorker]):
                 result, tensors = self.forward(msg, frames)
         except (WireError, ValueError, IndexError, RuntimeError) as e:
             self._last = None  # a step that follows this one fails too
+            if self.fanout is not None:
+                self._last = self.fanout.share(None)  # the followers take rank 0's word for it
             self.log.error("batch %d failed: %s", msg.batch_id, e)
             # The client sees no exception text (it may hold internals); the log has it.
             error = f"the forward failed ({type(e).__name__}; see the worker log)"
@@ -249,11 +278,19 @@ class WorkerService(Actor[ToWorker]):
             left_out=left_out,
         )
         self._last = sampled(msg, result)
+        if self.fanout is not None:  # only rank 0 sampled: a following step reads its tokens on every rank
+            self._last = self.fanout.share(self._last)
         await self.scheduler.send(result, tensors)
         self.m[WORKER_STEP_TIME].labels(mode=msg.mode).observe(time.perf_counter() - t0)
         self.m[WORKER_STEP_TOKENS].labels(mode=msg.mode).inc(sum(q.new_len for q in msg.seqs))
 
     async def stop(self) -> None:
+        if self.fanout is not None and self.tp_rank == 0:
+            try:
+                self.fanout.send(Shutdown(reason="rank 0 stops"), [])
+            except Exception as e:  # noqa: BLE001 - a follower is gone already: the group is broken
+                self.log.warning("tensor parallel group: could not stop the other ranks: %s", e)
+            close_group()
         if hasattr(self, "host"):
             self.host.close()
         if hasattr(self, "grammars"):
@@ -301,6 +338,8 @@ class WorkerService(Actor[ToWorker]):
             src = torch.tensor([f[0] for f in final], dtype=torch.int64, device=self.device)
             dst = torch.tensor([f[1] for f in final], dtype=torch.int64, device=self.device)
             self.state.copy(src, dst)
+        if self.tp_rank:  # a follower: its pools are written; sampling is rank 0's
+            return BatchDone(batch_id=msg.batch_id, next_tokens=[]), []
         params = [q.sampling for q in states]
         masks = self.grammars.masks([q.grammar for q in states], logits.shape[-1])
         bias = self.logit_bias.load(params)
@@ -321,3 +360,8 @@ class WorkerService(Actor[ToWorker]):
             seq_errors=sampled.errors,
         )
         return done, tensors
+
+
+def _changes_ranks(msg: ToWorker) -> bool:
+    """Whether the followers must run `msg` too: it touches device state or the page tables."""
+    return isinstance(msg, (RunBatch, ResetState)) or (isinstance(msg, Hello) and msg.service == "scheduler")

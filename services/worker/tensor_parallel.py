@@ -37,6 +37,7 @@ class CollectiveTime:
 
 
 _group = Group()
+_control: object | None = None  # the gloo group for objects beside NCCL; None: the default group
 
 
 def group() -> Group:
@@ -54,18 +55,26 @@ def init_group(rank: int, size: int, init_method: str, device: torch.device, tim
     """Join the process group (gloo on the CPU, NCCL on CUDA) and make it the current group."""
     import datetime
 
+    global _control
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
+    _control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
     use_group(Group(rank, size))
     return _group
 
 
+def control_group() -> object | None:
+    """The group that carries Python objects (messages, outcomes): gloo, on the CPU, whatever the device."""
+    return _control
+
+
 def close_group() -> None:
     """Leave the process group, if this process joined one."""
+    global _control
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _control = None
     use_group(Group())
 
 

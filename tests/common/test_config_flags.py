@@ -163,6 +163,7 @@ def test_aliases_map_to_the_field_they_name(argv, section, field, value):
         ["--enable-prefix-caching"],
         ["--trust-remote-code"],
         ["--tp", "1"],
+        ["--pp", "1"],
         ["--kv-cache-dtype", "auto"],
         ["--enable-auto-tool-choice"],
     ],
@@ -172,8 +173,8 @@ def test_flags_that_ask_for_what_we_do_are_accepted(argv):
 
 
 REFUSED = [
-    (["--tensor-parallel-size", "2"], "one device"),
-    (["--tp-size", "4"], "one device"),
+    (["--pipeline-parallel-size", "2"], "tensor parallelism"),
+    (["--dp-size", "4"], "one device"),
     (["--quantization", "fp8"], "Quantized"),
     (["--kv-cache-dtype", "fp8"], "model dtype"),
     (["--revision", "main"], "hf download"),
@@ -199,8 +200,7 @@ def test_every_refused_flag_is_tested_or_shares_a_tested_reason():
                 or any(why in cf.why for _, why in REFUSED)
                 or cf.flags[0]
                 in (
-                    "--pipeline-parallel-size",
-                    "--data-parallel-size",
+                    "--speculative-config",
                     "--speculative-config",
                     "--enable-lora",
                     "--lora-modules",

@@ -1,0 +1,135 @@
+"""How the worker's ranks stay in step under tensor parallelism: rank 0 (the `worker` service, the one the
+scheduler and the cache controller talk to) hands each message that changes device state to ranks
+1..N-1 through the torch.distributed group, and the followers run it exactly as rank 0 does.
+
+Why a broadcast through the group rather than a ZeroMQ fan-out (or every rank subscribing): a step's
+collectives (all-reduces, the head's all-gather) must run in the same order on every rank, and a
+broadcast in that same group orders the messages with them by construction; no second transport, no
+socket per rank, the scheduler never knows N, and a dead rank surfaces as an error in the very next
+collective. The objects go through a gloo group (the default group on the CPU, a second one beside NCCL
+on CUDA), so the metadata never touches the GPU.
+
+What travels: the message as encoded on the wire plus its tensor frames (a few KB a step); after a
+step, what rank 0 sampled (a step that follows it reads those tokens); after a batch's copy orders,
+each rank's outcome, merged so that an order is done when every rank did it and failed (once) when any
+rank failed it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from typing import Any
+
+import msgspec
+import torch.distributed as dist
+
+from himamba.common.config import Config
+from himamba.common.log import setup_logging
+from himamba.common.messages import Shutdown, ToWorker
+from himamba.common.wire import Decoder
+from himamba.services.actor import die_with_parent
+from himamba.services.worker.host_transfer import TransferOutcome
+from himamba.services.worker.tensor_parallel import close_group, control_group
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _frame_bytes(frame: Any) -> bytes:
+    return bytes(frame.buffer if hasattr(frame, "buffer") else frame)
+
+
+class Fanout:
+    """Rank 0's side and the followers' side of the group's message stream (one object, by rank)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._decoder = Decoder(ToWorker)
+
+    def _broadcast(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=control_group())
+        return box[0]
+
+    def send(self, msg: Any, frames: list[Any]) -> None:
+        """Rank 0: hand a message (and its tensor frames) to the followers."""
+        self._broadcast([_encoder.encode(msg), *(_frame_bytes(f) for f in frames)])
+
+    def receive(self) -> tuple[Any, list[Any]]:
+        """A follower: the next message rank 0 handed over (blocks until it does)."""
+        return self._decoder.decode(self._broadcast(None))
+
+    def share(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (what a step sampled)."""
+        return self._broadcast(obj if self.rank == 0 else None)
+
+    def merge_copies(self, mine: TransferOutcome) -> TransferOutcome:
+        """Every rank's outcome of the same copy orders -> one: done where every rank did it, failed
+        (once) where any failed it, with the first rank's error that says why."""
+        outcomes: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, tuple(mine), group=control_group())
+        failed = {op for o in outcomes for op in o[1]}
+        errors = [f"rank {r}: {o[2]}" for r, o in enumerate(outcomes) if o[2]]
+        done = [op for op in mine.done if op not in failed]
+        ordered_failed = [op for op in (*mine.done, *mine.failed) if op in failed]
+        return TransferOutcome(done, ordered_failed, errors[0] if errors else "")
+
+
+class _Silent:
+    """A follower's peers: only rank 0 answers the scheduler, the cache and the front door."""
+
+    async def send(self, msg: Any, tensors: Any = ()) -> None:
+        return None
+
+    def send_nowait(self, msg: Any, tensors: Any = ()) -> None:
+        return None
+
+
+def run_follower(cfg: Config, rank: int) -> int:
+    """Run worker rank `rank` (>= 1) until rank 0 says stop or the group breaks; the exit code."""
+    return asyncio.run(_follow(cfg, rank))
+
+
+async def _follow(cfg: Config, rank: int) -> int:
+    from himamba.services.worker.service import WorkerService
+
+    # Rank 0 stops the followers (a signal would cut a collective in half and leave the group hanging);
+    # the launcher kills a follower by PID only past its grace.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL)  # an orphan is killed (its shared memory goes with its resource tracker)
+    log = setup_logging(f"worker-rank{rank}", cfg.log.level)
+    worker = WorkerService(cfg, rank=rank)
+    worker.scheduler = worker.cache = worker.tokenizer = _Silent()  # type: ignore[assignment]
+    worker.control = _Silent()  # type: ignore[assignment]
+    code = 0
+    try:
+        detail = await worker.start()
+        log.info("rank %d of %d ready (%s)", rank, cfg.model.tensor_parallel_size, detail)
+        fanout = worker.fanout
+        assert fanout is not None
+        while True:
+            msg, frames = fanout.receive()
+            if isinstance(msg, Shutdown):
+                log.info("rank %d: rank 0 stops the group", rank)
+                break
+            await worker.handle(msg, frames)
+    except Exception as e:  # noqa: BLE001 - a broken group or a failed start: this rank is done
+        log.error("rank %d stops: %s: %s", rank, type(e).__name__, e)
+        code = 1
+    finally:
+        try:
+            await worker.stop()
+        except Exception as e:  # noqa: BLE001
+            log.warning("rank %d: error while stopping: %r", rank, e)
+        close_group()
+        worker.ctx.destroy(linger=0)
+        logging.shutdown()
+    return code
+
+
+def ranks_env() -> tuple[int, str]:
+    """This process's rank and the group's rendezvous address, as the launcher set them."""
+    return int(os.environ.get("HIMAMBA_TP_RANK", "0") or 0), os.environ.get("HIMAMBA_TP_INIT", "")
