@@ -88,8 +88,8 @@ class ModelConfig(_Section):
         doc(
             "Worker ranks the model is sharded over (torch.distributed: NCCL on CUDA, one GPU per rank; gloo on "
             "the CPU, the cores shared among the ranks): attention and Mamba2 by heads, MLPs and experts by "
-            "intermediate rows, the head by vocabulary. NemotronH, Qwen3-Next and Granite-4.0-H; head counts "
-            "must divide by it.",
+            "intermediate rows, the head by vocabulary. NemotronH, Qwen3-Next, Granite-4.0-H, Bamba and Mamba2; "
+            "head counts must divide by it (docs/serving/tensor-parallel.md).",
             "--tp-size",
             "--tp",
         ),

@@ -105,8 +105,8 @@ def load_model(
     cls = model_class(architecture_of(raw))
     if group().size > 1 and not getattr(cls, "supports_tensor_parallel", False):
         raise ValueError(
-            f"tensor parallelism: {architecture_of(raw)} is not sharded yet (NemotronH, Qwen3-Next and "
-            "Granite-4.0-H are): serve it with --tensor-parallel-size 1"
+            f"tensor parallelism: {architecture_of(raw)} is not sharded yet (NemotronH, Qwen3-Next, "
+            "Granite-4.0-H, Bamba and Mamba2 are): serve it with --tensor-parallel-size 1"
         )
     model = cls.from_hf_config(raw, torch.device(device), dtype if dtype is not None else config_dtype(raw))
     files = checkpoint_files(model_dir)

@@ -105,16 +105,17 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
 Shard = Callable[[torch.Tensor, Group], torch.Tensor]
 
 
-def split(dim: int, parts: tuple[int, ...] | None = None) -> Shard:
+def split(dim: int, parts: tuple[int, ...] | None = None, whole: frozenset[int] = frozenset()) -> Shard:
     """Cut `dim` in N equal shares, each of the consecutive `parts` of the full size on its own (a fused
-    projection such as Mamba2's [gate | x | B | C | dt]); None: the whole dimension is one part."""
+    projection such as Mamba2's [gate | x | B | C | dt]); None: the whole dimension is one part. Parts
+    whose index is in `whole` are replicated: every rank keeps all of them (Mamba2's B and C of one group)."""
 
     def shard(full: torch.Tensor, g: Group) -> torch.Tensor:
         sizes = parts if parts is not None else (full.shape[dim],)
         pieces = []
-        for part in full.split(list(sizes), dim=dim):
-            share = part.shape[dim] // g.size
-            pieces.append(part.narrow(dim, g.rank * share, share))
+        for i, part in enumerate(full.split(list(sizes), dim=dim)):
+            share = part.shape[dim] if i in whole else part.shape[dim] // g.size
+            pieces.append(part if i in whole else part.narrow(dim, g.rank * share, share))
         return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
 
     return shard

@@ -1,8 +1,9 @@
-"""One rank of a tensor-parallel forward on the CPU: `python tp_forward_run.py MODEL_DIR RANK SIZE INIT OUT`.
+"""One rank of a tensor-parallel forward on the CPU: `python tp_forward_run.py RANK SIZE INIT OUT MODEL_DIR...`.
 
-Joins a gloo group of SIZE ranks at INIT (a file:// store), loads MODEL_DIR sharded, prefills three prompts
-together and decodes them greedily; rank 0 writes {"tokens": [[...]], "logits": [[...]]} (the prefill's
-last-token logits) to OUT as JSON. `test_tensor_parallel_forward.py` starts one per rank.
+Joins a gloo group of SIZE ranks at INIT (a file:// store); for each MODEL_DIR, loads it sharded, prefills
+three prompts together (crossing page boundaries) and decodes them greedily; rank 0 writes
+{MODEL_DIR: {"tokens": [[...]], "logits": [[...]]}} (the prefill's last-token logits) to OUT as JSON.
+`test_tensor_parallel_forward.py` starts one per rank (one group for every model: a start costs seconds).
 """
 
 from __future__ import annotations
@@ -23,10 +24,17 @@ PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((
 NEW_TOKENS = 8
 
 
-def main(model_dir: str, rank: int, size: int, init: str, out: str) -> None:
+def main(rank: int, size: int, init: str, out: str, model_dirs: list[str]) -> None:
     torch.set_num_threads(1)
     if size > 1:
         tensor_parallel.init_group(rank, size, init, torch.device("cpu"), timeout_s=120)
+    results = {d: run(d) for d in model_dirs}
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    tensor_parallel.close_group()
+
+
+def run(model_dir: str) -> dict:
     model = load_model(Path(model_dir))
     harness = Harness(model, page_size=16)
     seqs = [harness.new_sequence() for _ in PROMPTS]
@@ -39,10 +47,8 @@ def main(model_dir: str, rank: int, size: int, init: str, out: str) -> None:
             t.append(n)
         if step + 1 < NEW_TOKENS:
             logits = harness.decode(seqs, next_ids)
-    if rank == 0:
-        Path(out).write_text(json.dumps({"tokens": tokens, "logits": first.tolist()}))
-    tensor_parallel.close_group()
+    return {"tokens": tokens, "logits": first.tolist()}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:])

@@ -17,7 +17,8 @@ class Linear(nn.Module):
     random numbers that `load_weights` overwrites (it rejects a model with any weight left unloaded).
 
     Under tensor parallelism (sizes are always the full model's): `parallel="column"` keeps this rank's
-    share of the outputs (of each of `parts`, the consecutive blocks of a fused projection), `"row"` its
+    share of the outputs (of each of `parts`, the consecutive blocks of a fused projection, but all of
+    the blocks listed in `whole`), `"row"` its
     share of the inputs and sums the ranks' outputs (one all-reduce; the bias is rank 0's).
     """
 
@@ -30,11 +31,13 @@ class Linear(nn.Module):
         dtype: torch.dtype,
         parallel: str = "none",
         parts: tuple[int, ...] | None = None,
+        whole: frozenset[int] = frozenset(),
     ) -> None:
         super().__init__()
         self.row_parallel = parallel == "row"
         if parallel == "column":
-            out_features = sum(divide(p, "a projection's output block") for p in (parts or (out_features,)))
+            blocks = enumerate(parts or (out_features,))
+            out_features = sum(p if i in whole else divide(p, "a projection's output block") for i, p in blocks)
         elif parallel == "row":
             in_features = divide(in_features, "a projection's input width")
         self.in_features = in_features
@@ -46,8 +49,8 @@ class Linear(nn.Module):
             nn.Parameter(torch.empty(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
         )
         if parallel == "column":
-            mark(self.weight, split(0, parts))
-            mark(self.bias, split(0, parts))
+            mark(self.weight, split(0, parts, whole))
+            mark(self.bias, split(0, parts, whole))
         elif parallel == "row":
             mark(self.weight, split(1))
             mark(self.bias, rank0_only)

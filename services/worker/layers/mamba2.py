@@ -22,10 +22,10 @@ from himamba.kernels import (
 from himamba.services.worker.forward_batch import ForwardBatch
 from himamba.services.worker.layers.conv_activation import conv_activation
 from himamba.services.worker.layers.linear import Linear
-from himamba.services.worker.layers.norm import GatedRMSNorm
+from himamba.services.worker.layers.norm import GatedRMSNorm, RanksGatedRMSNorm
 from himamba.services.worker.layers.pool_rows import decode_rows, write_back
 from himamba.services.worker.pools import StateComponent
-from himamba.services.worker.tensor_parallel import divide, mark, split
+from himamba.services.worker.tensor_parallel import divide, group, mark, split
 
 
 class DepthwiseConv(nn.Module):
@@ -54,7 +54,9 @@ class Mamba2Scan(nn.Module):
     and the norm around `scan`.
 
     Sizes are the full model's; under tensor parallelism this rank keeps its share of the heads and of
-    the `n_groups` groups (both must divide by N), the conv channels of both, and its state in the pool.
+    the `n_groups` groups, the conv channels of both, and its state in the pool. With one group (most
+    published checkpoints) every rank keeps the group's B and C whole, and the output norm, which spans
+    the group, sums its squares across the ranks.
     """
 
     def __init__(
@@ -83,7 +85,10 @@ class Mamba2Scan(nn.Module):
         full_width, full_gn = num_heads * head_dim, n_groups * state_size
         self.full_parts = (full_width, full_gn, full_gn)  # the conv channels' blocks, before sharding
         num_heads = divide(num_heads, "the Mamba2 heads")
-        n_groups = divide(n_groups, "the Mamba2 n_groups (replicated groups are not supported yet)")
+        self.groups_replicated = group().size > 1 and n_groups == 1
+        self.bc_whole = frozenset({1, 2}) if self.groups_replicated else frozenset()  # of (x, B, C)
+        if not self.groups_replicated:
+            n_groups = divide(n_groups, "the Mamba2 n_groups (or n_groups = 1, replicated)")
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.state_size = state_size
@@ -99,8 +104,8 @@ class Mamba2Scan(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(num_heads, device=device, dtype=f32), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(num_heads, device=device, dtype=f32), requires_grad=False)
         self.D = nn.Parameter(torch.empty(num_heads, device=device, dtype=f32), requires_grad=False)
-        mark(self.conv1d.weight, split(0, self.full_parts))
-        mark(self.conv1d.bias, split(0, self.full_parts))
+        mark(self.conv1d.weight, split(0, self.full_parts, self.bc_whole))
+        mark(self.conv1d.bias, split(0, self.full_parts, self.bc_whole))
         for p in (self.dt_bias, self.A_log, self.D):
             mark(p, split(0))
 
@@ -217,8 +222,13 @@ class Mamba2Mixer(Mamba2Scan):
         self.in_proj = Linear(
             hidden_size, full_width + sum(self.full_parts) + num_heads, proj_bias, device, dtype,
             parallel="column", parts=(full_width, *self.full_parts, num_heads),
+            whole=frozenset(i + 1 for i in self.bc_whole),
         )  # fmt: skip
-        self.norm = GatedRMSNorm(width, width // self.n_groups, norm_eps, device, dtype)
+        self.norm: GatedRMSNorm | RanksGatedRMSNorm
+        if self.groups_replicated:
+            self.norm = RanksGatedRMSNorm(width, full_width, norm_eps, device, dtype)
+        else:
+            self.norm = GatedRMSNorm(width, width // self.n_groups, norm_eps, device, dtype)
         mark(self.norm.weight, split(0))
         self.out_proj = Linear(full_width, hidden_size, proj_bias, device, dtype, parallel="row")
 

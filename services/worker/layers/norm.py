@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from himamba.kernels import gated_rms_norm, rms_norm
+from himamba.services.worker.tensor_parallel import all_reduce
 
 
 class RMSNorm(nn.Module):
@@ -46,3 +47,21 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         return gated_rms_norm(x, gate, self.weight, self.eps, self.group_size)
+
+
+class RanksGatedRMSNorm(nn.Module):
+    """`norm(x * silu(gate))` over one group spread across the tensor-parallel ranks (Mamba2 with
+    n_groups = 1 under TP): each rank holds `width` of the group's `full_width` channels, and the
+    sum of squares is all-reduced before normalising."""
+
+    def __init__(self, width: int, full_width: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.full_width = full_width
+        self.weight = nn.Parameter(torch.empty(width, device=device, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        u = x.float() if gate is None else torch.nn.functional.silu(gate.float()).mul_(x)
+        square_sum = all_reduce(u.pow(2).sum(-1, keepdim=True))
+        normed = u * torch.rsqrt(square_sum / self.full_width + self.eps)
+        return (self.weight * normed.to(x.dtype)).to(x.dtype)

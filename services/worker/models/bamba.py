@@ -129,6 +129,7 @@ class BambaLayer(MixerLayer):
 class BambaForCausalLM(HybridDecoderLM):
     """Bamba as a `HybridModel`. Parameters are allocated uninitialised; call `load_weights`."""
 
+    supports_tensor_parallel = True
     config_type = BambaConfig
     stack_names = StackNames(embed="embed_tokens", final_norm="final_layernorm")
 

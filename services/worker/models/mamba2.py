@@ -116,6 +116,7 @@ class Mamba2ForCausalLM(HybridDecoderLM):
     """Mamba2 as a `HybridModel` (with an empty KV spec). Parameters are allocated uninitialised;
     call `load_weights`."""
 
+    supports_tensor_parallel = True
     config_type = Mamba2Config
     stack_name = "backbone"
     stack_names = StackNames(embed="embeddings", final_norm="norm_f")
