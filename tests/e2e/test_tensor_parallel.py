@@ -1,0 +1,95 @@
+"""`himamba serve --tensor-parallel-size 2` on the CPU (gloo): transformers' greedy tokens for the three
+sharded families, through device- and host-tier prefix hits; a rank that dies stops the server with one
+line, leaving no rank running and no shared memory behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from himamba.common.client import Client
+from himamba.services.bench.servers import start_server
+from himamba.services.modelgen.checkpoint import make_checkpoint
+from tests.e2e.prompts import random_tokens
+from tests.worker.hf_reference import greedy, load_reference
+
+TP = ("--tensor-parallel-size", "2", "--hicache-storage-backend", "none")
+# Small device pools, so that a conversation is pushed out to the host pools and comes back from there.
+POOLS = (
+    "--max-total-tokens", "512", "--max-context-len", "512", "--max-mamba-cache-size", "12",
+    "--hicache-tokens", "8192", "--hicache-mamba-slots", "32", "--max-running-requests", "2",
+    "--mamba-track-interval", "16",
+)  # fmt: skip
+
+
+# granite_hybrid's tiny preset has one Mamba2 group: its B and C are replicated on both ranks.
+@pytest.fixture(scope="module", params=["nemotron_h", "qwen3_next", "granite_hybrid"])
+def served(request, tmp_path_factory):
+    model_dir = make_checkpoint(request.param, tmp_path_factory.mktemp(request.param), preset="tiny")
+    server = start_server(model_dir, tmp_path_factory.mktemp("logs"), *TP, *POOLS)
+    yield server, load_reference(model_dir)
+    server.stop()
+
+
+def test_device_and_host_hits_equal_transformers(served):
+    server, ref = served
+    assert "tensor parallel rank 0 of 2" in server.log()
+    with Client(server.endpoint) as c:
+        history = random_tokens(50, 1, vocab=2000)  # crosses page boundaries (16 tokens a page)
+        first = c.generate(input_ids=history, max_tokens=10, ignore_eos=True)
+        assert first.token_ids == greedy(ref, history, 10)
+        again = c.generate(input_ids=history, max_tokens=10, ignore_eos=True)
+        assert again.token_ids == first.token_ids  # a device-tier hit computes what recompute did
+        assert again.usage.cached_tokens.device > 0
+        history = history + first.token_ids + random_tokens(30, 2, vocab=2000)
+        second = c.generate(input_ids=history, max_tokens=10, ignore_eos=True)
+        assert second.token_ids == greedy(ref, history, 10)
+        assert second.usage.cached_tokens.device > 0
+        for k in range(3):  # push the conversation out of the small device pool
+            c.generate(input_ids=random_tokens(150, 10 + k, vocab=2000), max_tokens=2, ignore_eos=True)
+        history = history + second.token_ids + random_tokens(20, 3, vocab=2000)
+        third = c.generate(input_ids=history, max_tokens=10, ignore_eos=True)
+        assert third.token_ids == greedy(ref, history, 10)
+        assert third.usage.cached_tokens.host > 0  # each rank copied its shard back from its own host pool
+    stats = server.cache_stats()
+    assert stats.invariants_ok, stats.invariants_error
+    assert stats.running_requests == 0
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def test_a_dead_rank_stops_the_server(tmp_path):
+    model_dir = make_checkpoint("nemotron_h", tmp_path / "m", preset="tiny")
+    server = start_server(model_dir, tmp_path / "logs", *TP)
+    try:
+        with Client(server.endpoint) as c:
+            c.generate(input_ids=random_tokens(20, 1, vocab=2000), max_tokens=2, ignore_eos=True)
+        children = _children(server.proc.pid)
+        rank1 = int(re.search(r"started worker-rank1 \(pid (\d+)\)", server.log()).group(1))
+        assert rank1 in children
+        os.kill(rank1, signal.SIGKILL)
+        code = server.proc.wait(timeout=60)
+    finally:
+        server.stop()
+    assert code == 1
+    log = server.log()
+    assert f"service worker-rank1 (pid {rank1}) died with exit code -9; stopping the server" in log
+    assert "did not stop in time" not in log, log[-3000:]
+    alive = [p for p in children if _running(p)]
+    assert not alive, alive
+    shm = [n for n in os.listdir("/dev/shm") if any(n.startswith(f"himamba-{p}-") for p in children)]
+    assert not shm, shm
