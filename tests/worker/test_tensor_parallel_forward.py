@@ -41,8 +41,6 @@ def _run_tp2(model_dirs: list[str], tmp_path: Path) -> dict:
     return json.loads(out.read_text())
 
 
-
-
 CASES = {
     # Every NemotronH layer kind; groups and KV heads split.
     "nemotron_h": lambda d: save_tiny("NemotronH", d),
