@@ -15,6 +15,10 @@ Measurements alternate between the two engines (prefill repeat by repeat, decode
 so that load from other processes on a shared machine hits both alike; figures are medians.
 Machine limits come from two probes (a square matmul for FLOP/s, a large tensor copy for memory
 bandwidth) and each figure is also given as a fraction of them. The last line is one JSON object.
+
+`--tp N` runs ours sharded over N gloo ranks (N processes of this bench in lockstep, each with
+--threads threads; rank 0 prints), without transformers, and reports the share of the model time spent
+in the collectives (all-reduce, the head's all-gather): run it beside `--tp 1` for the overhead.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ from himamba.services.worker.pools import KVPool, StatePool
 from himamba.services.worker.runner import build_forward_batch, slots_to_zero
 from himamba.services.worker.sampler import sample
 from himamba.services.worker.step_threads import StepThreads
+from himamba.services.worker.tensor_parallel import CollectiveTime, close_group, init_group
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _GREEDY = SamplingParams(temperature=0.0)
@@ -361,8 +366,10 @@ class OurEngine:
                 if zero:
                     self.state.zero(torch.tensor(zero, dtype=torch.int64))
             t1 = time.perf_counter()
+            c1 = CollectiveTime.seconds
             logits = self.model.forward(batch, self.kv, self.state)
             t2 = time.perf_counter()
+            times.collective.append(CollectiveTime.seconds - c1)
             tokens = sample(logits, [q.sampling for q in states], [0] * len(plans)).tokens
             t3 = time.perf_counter()
         self.last_logits = logits
@@ -431,6 +438,7 @@ class Row:
     flops_fraction: float  # of the matmul probe, for our whole step
     bandwidth_fraction: float | None  # of the copy probe (decode only)
     context: float  # mean KV context length during the step(s)
+    collective_share: float = 0.0  # of the model time, in tensor-parallel collectives
 
 
 @dataclass
@@ -462,6 +470,7 @@ class Options:
     gen_tokens: int = 32
     gen_runs: int = 3
     near_tie: float = 1e-3
+    tp: int = 1  # tensor-parallel ranks (ours only)
 
 
 class Progress:
@@ -554,6 +563,8 @@ def run(opts: Options, out: TextIO, err: TextIO) -> dict[str, Any]:
     dtype = _DTYPES[opts.dtype]
     ckpt = opts.checkpoint or checkpoint_dir(opts.arch, opts.preset, opts.seed)
     err.write(f"checkpoint {ckpt}\n")
+    if opts.tp > 1:
+        init_group(int(os.environ[_TP_RANK]), opts.tp, os.environ[_TP_INIT], torch.device("cpu"))
     model = load_model(ckpt, device="cpu", dtype=dtype)
     cost = model_cost(model)
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -644,7 +655,10 @@ def run(opts: Options, out: TextIO, err: TextIO) -> dict[str, Any]:
         "machine": asdict(machine),
         "model": _model_summary(cfg, cost),
         "rows": [asdict(r) for r in rows],
+        "tp": opts.tp,
     }
+    if opts.tp > 1:
+        close_group()
     _print_table(out, opts, machine, cfg, cost, rows)
     if generated is not None:
         results, engines = generated
@@ -745,6 +759,7 @@ def _row(
         flops_fraction=flops / step / machine.matmul_flops_per_s,
         bandwidth_fraction=bw,
         context=context,
+        collective_share=sum(times.collective) / sum(times.model) if times.collective else 0.0,
     )
 
 
@@ -821,6 +836,11 @@ def _print_table(
         "%FLOP/s: model FLOPs done per second over the matmul probe; %BW: bytes a decode step must read\n"
         "(weights, KV, state) per second over the copy probe.\n"
     )
+    if opts.tp > 1:
+        shares = ", ".join(
+            f"{r.phase} {'L' if r.phase == 'prefill' else 'B'}={r.size} {100 * r.collective_share:.1f}%" for r in rows
+        )
+        out.write(f"tensor parallel: {opts.tp} gloo ranks; all-reduce/all-gather share of the model time: {shares}\n")
     if any(r.flops_fraction > 1.0 for r in rows):
         out.write(
             "Some %FLOP/s exceed 100%: the probe's square matmul is slower in this dtype than the model's\n"
@@ -881,6 +901,12 @@ def parse_args(argv: list[str]) -> Options:
     p.add_argument("--checkpoint", type=Path, default=None, help="use this model directory instead")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks for ours (gloo processes, each with --threads threads); no transformers",
+    )
+    p.add_argument(
         "--omp-wait-policy",
         choices=("server", "passive", "active", "inherit"),
         default="server",
@@ -915,6 +941,10 @@ def parse_args(argv: list[str]) -> Options:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.omp_spin < 0:
         p.error("--omp-spin must be >= 0")
+    if a.tp < 1:
+        p.error("--tp must be >= 1")
+    if a.tp > 1 and a.peer != "none":
+        p.error("--tp runs ours alone: no --peer")
     if a.peer != "none" and a.peer_python is None:
         p.error(f"--peer {a.peer} needs --peer-python (the Python of a venv holding it)")
     if a.peer_python is not None and not a.peer_python.is_file():
@@ -930,7 +960,7 @@ def parse_args(argv: list[str]) -> Options:
         repeats=a.repeats,
         decode_steps=a.decode_steps,
         page_size=a.page_size,
-        reference=not a.no_reference,
+        reference=not a.no_reference and a.tp == 1,
         checkpoint=a.checkpoint,
         seed=a.seed,
         omp_wait_policy=a.omp_wait_policy,
@@ -947,6 +977,7 @@ def parse_args(argv: list[str]) -> Options:
         gen_tokens=a.gen_tokens,
         gen_runs=a.gen_runs,
         near_tie=a.near_tie,
+        tp=a.tp,
     )
 
 
@@ -961,6 +992,33 @@ def wait_env(policy: str, spin: int, environ: Mapping[str, str]) -> dict[str, st
     return env
 
 
+_TP_RANK, _TP_INIT = "HIMAMBA_TP_RANK", "HIMAMBA_TP_INIT"
+
+
+def _run_ranks(args: list[str], tp: int) -> int:
+    """Run the bench as `tp` ranks in lockstep: ranks 1.. silent children, rank 0 this process's output."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    command = [sys.executable, "-m", "himamba.bench.forward", *args]
+    env = {**os.environ, _TP_INIT: init}
+    others = [
+        subprocess.Popen(command, env={**env, _TP_RANK: str(r)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for r in range(1, tp)
+    ]
+    try:
+        return subprocess.call(command, env={**env, _TP_RANK: "0"})
+    finally:
+        for p in others:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `himamba bench forward`; returns the exit status.
 
@@ -972,6 +1030,8 @@ def main(argv: list[str] | None = None) -> int:
     env = wait_env(opts.omp_wait_policy, opts.omp_spin, os.environ)
     if any(env.get(name) != os.environ.get(name) for name in OPENMP_WAIT_VARIABLES):
         return subprocess.call([sys.executable, "-m", "himamba.bench.forward", *args], env=env)
+    if opts.tp > 1 and _TP_RANK not in os.environ:
+        return _run_ranks(args, opts.tp)
     try:
         summary = run(opts, sys.stdout, sys.stderr)
     except PeerError as e:

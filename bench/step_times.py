@@ -13,6 +13,7 @@ class StepTimes:
         self.build: list[float] = []
         self.model: list[float] = []
         self.sample: list[float] = []
+        self.collective: list[float] = []  # within model: all-reduces and all-gathers (tensor parallel)
 
     def total(self) -> list[float]:
         return [a + b + c for a, b, c in zip(self.build, self.model, self.sample, strict=True)]
