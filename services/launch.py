@@ -183,6 +183,16 @@ class Launcher:
                 return 1
             msg = self._poll_control(100)
             if isinstance(msg, Fatal):
+                # A service that died first is the cause (a worker rank: rank 0's next collective fails).
+                dead = self._dead_child()
+                if dead is not None:
+                    self.log.error(
+                        "service %s (pid %d) died with exit code %s; stopping the server",
+                        dead.name,
+                        dead.proc.pid,
+                        dead.proc.returncode,
+                    )
+                    return 1
                 self.log.error("service %s reported a fatal error: %s; stopping the server", msg.service, msg.error)
                 return 1
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: run on an (offline) H100/H200 from the repository root, with the wheels that
 # scripts/gpu/fetch-wheels.sh downloaded beside it; every step under its own time limit, inside 8
-# minutes in all. Each step prints one `CHECK <name> PASS|FAIL|INFO|SKIP <figures>` line as it ends
+# minutes in all on one GPU (9 with two or more, where the tp step runs). Each step prints one `CHECK <name> PASS|FAIL|INFO|SKIP <figures>` line as it ends
 # and adds its record to RESULTS_DIR/gpu-check.json (logs and figures land there too).
 #
 #   scripts/gpu/check.sh [--rehearse | --dry-run] [--only STEP,...] [--wheels DIR] [--python PY] RESULTS_DIR
@@ -11,7 +11,9 @@
 # float32 and bfloat16, the twins' cases and serving shapes), parity (greedy tokens against
 # transformers on CUDA, every family it carries), serve (`himamba serve --device cuda`, device- and
 # host-tier prefix hits equal to recompute), throughput (8B-shaped Nemotron-H, bf16: decode and prefill
-# beside their rooflines, CUDA graphs on and off), copies (host<->device GB/s, pageable vs pinned).
+# beside their rooflines, CUDA graphs on and off), copies (host<->device GB/s, pageable vs pinned),
+# tp (`--tensor-parallel-size 2` over NCCL: transformers' tokens through device and host hits, a dead
+# rank stopping the server; SKIP with fewer than two GPUs; the rehearsal runs it over gloo).
 # --rehearse runs every step on this CPU at tiny sizes (the CUDA-only parts report SKIP);
 # --dry-run prints every step as SKIP and exits 0. The exit status is 1 when any step FAILs.
 set -uo pipefail
@@ -25,7 +27,7 @@ while (($#)); do
         --only) only="$2"; shift ;;
         --wheels) wheels="$2"; shift ;;
         --python) py="$2"; shift ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
         -*) echo "check.sh: unknown option $1" >&2; exit 2 ;;
         *) results="$1" ;;
     esac
@@ -40,7 +42,7 @@ record="python3 -P scripts/gpu/check_record.py $results"
 failures=0
 
 # name, time limit in seconds (on the GPU; the rehearsal's sizes are tiny), kind of result
-steps=(install:30:info env:20:info kernels:100:tests parity:70:tests serve:100:tests throughput:90:figures copies:40:figures)
+steps=(install:30:info env:20:info kernels:100:tests parity:70:tests serve:100:tests throughput:90:figures copies:40:figures tp:80:tests)
 
 wanted() { [[ -z "$only" || ",$only," == *",$1,"* ]]; }
 
@@ -134,6 +136,17 @@ run_step() {  # name limit kind
                 HIMAMBA_TEST_DEVICE=$device timeout -k 5 "$limit" $py -P -m pytest -v -p no:cacheprovider -rfE \
                     $(xdist 2 "--dist loadfile") tests/e2e/test_prefix_cache.py tests/e2e/test_serve_cuda.py >"$log" 2>&1
             fi ;;
+        tp)
+            if [[ "$mode" != rehearse ]]; then
+                local gpus
+                gpus=$($py -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+                if ((gpus < 2)); then
+                    $record "$name" skip 0 0 "$limit" "$gpus GPU(s): tensor parallelism needs two or more"
+                    return
+                fi
+            fi
+            HIMAMBA_TEST_DEVICE=$device timeout -k 5 "$limit" $py -P -m pytest -v -p no:cacheprovider -rfE \
+                tests/e2e/test_tensor_parallel.py >"$log" 2>&1 ;;
         throughput|copies)
             figures="$results/$name.json"
             local flag=""

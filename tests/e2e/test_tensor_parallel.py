@@ -17,7 +17,11 @@ from himamba.services.modelgen.checkpoint import make_checkpoint
 from tests.e2e.prompts import random_tokens
 from tests.worker.hf_reference import greedy, load_reference
 
-TP = ("--tensor-parallel-size", "2", "--hicache-storage-backend", "none")
+# The GPU check (scripts/gpu/check.sh, step tp) runs this module on CUDA: NCCL, one GPU per rank.
+TP = (
+    "--tensor-parallel-size", "2", "--hicache-storage-backend", "none",
+    *(("--device", os.environ["HIMAMBA_TEST_DEVICE"]) if os.environ.get("HIMAMBA_TEST_DEVICE") else ()),
+)  # fmt: skip
 # Small device pools, so that a conversation is pushed out to the host pools and comes back from there.
 POOLS = (
     "--max-total-tokens", "512", "--max-context-len", "512", "--max-mamba-cache-size", "12",
@@ -88,6 +92,7 @@ def test_a_dead_rank_stops_the_server(tmp_path):
     assert code == 1
     log = server.log()
     assert f"service worker-rank1 (pid {rank1}) died with exit code -9; stopping the server" in log
+    assert log.count("stopping the server") == 1, log[-3000:]
     assert "did not stop in time" not in log, log[-3000:]
     alive = [p for p in children if _running(p)]
     assert not alive, alive
