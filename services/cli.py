@@ -132,7 +132,7 @@ def _service(name: str, cfg: Config) -> None:
     lock = InstanceLock(cfg, f"worker-rank{rank}" if rank else name)
 
     if name == "worker" and rank:
-        from himamba.services.worker.tp_ranks import run_follower
+        from himamba.services.worker.rank_follower import run_follower
 
         code = run_follower(cfg, rank)
         lock.release()

@@ -9,7 +9,7 @@ and a store password: it is never written to disk); a clean stop removes the ins
 and lock files.
 
 Under tensor parallelism the worker is N processes: rank 0 is the `worker` service the others talk to,
-ranks 1..N-1 (`worker-rank1`, ...) follow it through the torch.distributed group (worker/tp_ranks.py).
+ranks 1..N-1 (`worker-rank1`, ...) follow it through the torch.distributed group (worker/rank_follower.py).
 They are supervised like the services (any death stops the server) but never signalled: rank 0 tells
 them to stop, or they stop when the group breaks; past the stage's grace they are killed by PID.
 """

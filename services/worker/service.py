@@ -4,7 +4,7 @@ Per RunBatch: execute its copy orders (device<->host), initialise state slots, r
 sample, answer BatchDone. Orders run strictly in arrival order, which is what lets the cache
 controller reuse a page right after ordering it copied elsewhere.
 
-Under tensor parallelism this is rank 0 of N (or, built by tp_ranks.run_follower, a follower): each
+Under tensor parallelism this is rank 0 of N (or, built by rank_follower.run_follower, a follower): each
 rank holds its shard of the model, of every page and of every state slot (same ids on every rank);
 rank 0 hands the followers each message that changes device state (tp_ranks.Fanout), samples from the
 gathered logits alone and answers for the group.

@@ -17,22 +17,16 @@ rank failed it.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import os
-import signal
 from typing import Any
 
 import msgspec
 import torch.distributed as dist
 
-from himamba.common.config import Config
-from himamba.common.log import setup_logging
-from himamba.common.messages import Shutdown, ToWorker
+from himamba.common.messages import ToWorker
 from himamba.common.wire import Decoder
-from himamba.services.actor import die_with_parent
 from himamba.services.worker.host_transfer import TransferOutcome
-from himamba.services.worker.tensor_parallel import close_group, control_group
+from himamba.services.worker.tensor_parallel import control_group
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -75,59 +69,6 @@ class Fanout:
         done = [op for op in mine.done if op not in failed]
         ordered_failed = [op for op in (*mine.done, *mine.failed) if op in failed]
         return TransferOutcome(done, ordered_failed, errors[0] if errors else "")
-
-
-class _Silent:
-    """A follower's peers: only rank 0 answers the scheduler, the cache and the front door."""
-
-    async def send(self, msg: Any, tensors: Any = ()) -> None:
-        return None
-
-    def send_nowait(self, msg: Any, tensors: Any = ()) -> None:
-        return None
-
-
-def run_follower(cfg: Config, rank: int) -> int:
-    """Run worker rank `rank` (>= 1) until rank 0 says stop or the group breaks; the exit code."""
-    return asyncio.run(_follow(cfg, rank))
-
-
-async def _follow(cfg: Config, rank: int) -> int:
-    from himamba.services.worker.service import WorkerService
-
-    # Rank 0 stops the followers (a signal would cut a collective in half and leave the group hanging);
-    # the launcher kills a follower by PID only past its grace.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    die_with_parent(signal.SIGKILL)  # an orphan is killed (its shared memory goes with its resource tracker)
-    log = setup_logging(f"worker-rank{rank}", cfg.log.level)
-    worker = WorkerService(cfg, rank=rank)
-    worker.scheduler = worker.cache = worker.tokenizer = _Silent()  # type: ignore[assignment]
-    worker.control = _Silent()  # type: ignore[assignment]
-    code = 0
-    try:
-        detail = await worker.start()
-        log.info("rank %d of %d ready (%s)", rank, cfg.model.tensor_parallel_size, detail)
-        fanout = worker.fanout
-        assert fanout is not None
-        while True:
-            msg, frames = fanout.receive()
-            if isinstance(msg, Shutdown):
-                log.info("rank %d: rank 0 stops the group", rank)
-                break
-            await worker.handle(msg, frames)
-    except Exception as e:  # noqa: BLE001 - a broken group or a failed start: this rank is done
-        log.error("rank %d stops: %s: %s", rank, type(e).__name__, e)
-        code = 1
-    finally:
-        try:
-            await worker.stop()
-        except Exception as e:  # noqa: BLE001
-            log.warning("rank %d: error while stopping: %r", rank, e)
-        close_group()
-        worker.ctx.destroy(linger=0)
-        logging.shutdown()
-    return code
 
 
 def ranks_env() -> tuple[int, str]:
