@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from himamba.common.client import Client
-from himamba.services.bench.servers import start_server
+from himamba.bench.servers import start_server
 from himamba.services.modelgen.checkpoint import make_checkpoint
 from tests.e2e.prompts import random_tokens
 from tests.worker.hf_reference import greedy, load_reference

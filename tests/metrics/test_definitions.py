@@ -32,7 +32,7 @@ from tests.system_packages import PROMETHEUS, requires
 # The unit (or counted thing) each name ends with, before `_total`.
 UNITS = {"bytes", "seconds", "tokens", "requests", "ops", "hits", "slots", "in_flight", "truncations",
          "failures", "errors", "retractions", "responses", "finished", "events", "fds", "steps",
-         "up", "info"}  # fmt: skip  (`up`: Prometheus' 1/0 reachability gauge; `info`: a labels-only gauge)
+         "up", "info", "ranks"}  # fmt: skip  (`up`: Prometheus' 1/0 reachability gauge; `info`: a labels-only gauge)
 
 
 @pytest.mark.parametrize("defn", (*ALL_METRICS, *PROCESS_METRICS, BUILD_INFO), ids=lambda d: d.name)

@@ -11,6 +11,7 @@ from himamba.common.metrics import (
     SCHEDULER_WAITING,
     SERVICES,
     WORKER_STEP_TOKENS,
+    WORKER_TENSOR_PARALLEL_SIZE,
 )
 from himamba.common.metrics_exposition import merge_expositions
 from himamba.common.metrics_report import MetricsReporter
@@ -46,6 +47,7 @@ def test_idle_server_logs_nothing_then_a_line_per_interval_of_work_then_one_when
     assert text.startswith("stats: 3 running, 1 waiting | prefill 100.0 tok/s, decode 5.0 tok/s")
     assert "cache hits 75.0% of 800 prompt tokens (device 50.0%, host 25.0%, storage 0.0%)" in text
     assert "pools used: device kv 25.0%" in text
+    assert "tp" not in text.rsplit("|", 1)[1]  # not sharded: not said
     srv.m("scheduler")[SCHEDULER_RUNNING].set(0)
     srv.m("scheduler")[SCHEDULER_WAITING].set(0)
     last = line.update(srv.page(), 30.0)  # the interval the server went idle: said once
@@ -62,3 +64,12 @@ def test_a_restarted_service_never_gives_negative_rates():
     line.update(before.page(), 0.0)
     text = line.update(after.page(), 10.0)
     assert text is not None and "decode 0.0 tok/s" in text
+
+
+def test_a_sharded_model_says_its_tensor_parallel_size():
+    srv, line = _Server(), StatsLine()
+    srv.m("worker")[WORKER_TENSOR_PARALLEL_SIZE].set(2)
+    line.update(srv.page(), 0.0)
+    srv.m("scheduler")[SCHEDULER_RUNNING].set(1)
+    text = line.update(srv.page(), 10.0)
+    assert text is not None and text.endswith(" | tp 2")
