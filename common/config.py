@@ -605,12 +605,6 @@ def validate(cfg: Config) -> None:
             f"{field_name('scheduler', 'chunked_prefill_size')} = {s.chunked_prefill_size} "
             f"must be >= {page} = {c.page_size}"
         )
-    tp = cfg.model.tensor_parallel_size
-    if tp > 1 and c.hicache_storage_backend != "none" and c.enable_hierarchical_cache:
-        raise ConfigError(
-            f"{field_name('model', 'tensor_parallel_size')} = {tp}: the storage tier does not store sharded "
-            f"pages yet: add {flag_of('cache', 'hicache_storage_backend')} none (the device and host tiers work)"
-        )
     if c.max_total_tokens and c.max_total_tokens < c.page_size:
         raise ConfigError(
             f"{field_name('cache', 'max_total_tokens')} = {c.max_total_tokens} "

@@ -29,6 +29,9 @@ class HostPoolLayout(msgspec.Struct, frozen=True, kw_only=True):
     num_slots: int = 0
     state_components: list[StateComponentLayout] = []
     state_slot_bytes: int = 0
+    # Tensor parallelism: the segments hold every rank's shard of a page (of a slot) side by side, rank
+    # after rank; page_bytes and state_slot_bytes are one rank's. A page is one blob for storage either way.
+    tp_size: int = 1
 
     @property
     def page_bytes(self) -> int:

@@ -6,7 +6,10 @@ contiguously, so a page goes to storage as one blob. Host state is slot-first: o
 every component of every recurrent layer contiguously.
 
 The worker creates the segments (it knows the model's shapes) and unlinks them at exit; it
-announces their names and layout in WorkerInfo; others attach by name.
+announces their names and layout in WorkerInfo; others attach by name. Under tensor parallelism rank 0
+creates them with room for every rank's shard of each page and slot (rank after rank), each rank maps
+its own shard, and the cache controller sees whole pages and slots: a page still goes to storage as
+one blob.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ __all__ = ["HostPoolLayout", "HostPools", "StateComponentLayout", "open_host_poo
 
 class HostPools(NamedTuple):
     """Tensor views over the shared segments. `kv`: [pages, layers, 2, page_size, heads, dim];
-    `state[(layer, name)]`: [slots, *shape]; `kv_bytes` / `state_bytes`: raw uint8 views."""
+    `state[(layer, name)]`: [slots, *shape]; `kv_bytes` / `state_bytes`: raw uint8 views (a rank's
+    shard of each page and slot, or, for `rank=None`, whole pages and slots with no typed views)."""
 
     kv: torch.Tensor | None
     kv_bytes: torch.Tensor | None
@@ -63,9 +67,12 @@ def _view(seg: shared_memory.SharedMemory, nbytes: int) -> torch.Tensor:
         return torch.frombuffer(seg.buf, dtype=torch.uint8, count=nbytes)
 
 
-def open_host_pools(layout: HostPoolLayout, create: bool) -> HostPools:
-    """Create (worker) or attach to (cache controller) the shared host pools."""
+def open_host_pools(layout: HostPoolLayout, create: bool, rank: int | None = 0) -> HostPools:
+    """Create (the worker, rank 0) or attach to (the other ranks, the cache controller) the shared host
+    pools; the views are `rank`'s shard, or whole pages and slots (raw bytes only) for None."""
     segments = []
+    tp = layout.tp_size
+    whole = rank is None and tp > 1  # the controller's view of a sharded pool: bytes, whole pages
     kv = kv_bytes = state_bytes = None
     state: dict[tuple[int, str], torch.Tensor] = {}
     if layout.num_pages and layout.kv_name and layout.page_bytes == 0:
@@ -76,19 +83,26 @@ def open_host_pools(layout: HostPoolLayout, create: bool) -> HostPools:
             (layout.num_pages, 0, 2, layout.page_size, layout.num_kv_heads, layout.head_dim), dtype=_DTYPES[layout.kv_dtype]
         )
     elif layout.num_pages and layout.kv_name:
-        nbytes = layout.num_pages * layout.page_bytes
+        nbytes = layout.num_pages * layout.page_bytes * tp
         seg = _segment(layout.kv_name, nbytes, create)
         segments.append(seg)
-        kv_bytes = _view(seg, nbytes).view(layout.num_pages, layout.page_bytes)
-        kv = kv_bytes.view(-1).view(_DTYPES[layout.kv_dtype]).view(
-            layout.num_pages, layout.num_kv_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim
-        )
+        kv_bytes = _view(seg, nbytes).view(layout.num_pages, layout.page_bytes * tp)
+        if not whole:
+            at = (rank or 0) * layout.page_bytes
+            kv_bytes = kv_bytes[:, at : at + layout.page_bytes]
+            # Rows of a rank's shard are strided, each contiguous: the typed view splits the last dim only.
+            kv = kv_bytes.view(_DTYPES[layout.kv_dtype]).view(
+                layout.num_pages, layout.num_kv_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim
+            )
     if layout.num_slots and layout.state_name:
-        nbytes = layout.num_slots * layout.state_slot_bytes
+        nbytes = layout.num_slots * layout.state_slot_bytes * tp
         seg = _segment(layout.state_name, nbytes, create)
         segments.append(seg)
-        state_bytes = _view(seg, nbytes).view(layout.num_slots, layout.state_slot_bytes)
-        for c in layout.state_components:
+        state_bytes = _view(seg, nbytes).view(layout.num_slots, layout.state_slot_bytes * tp)
+        if not whole:
+            at = (rank or 0) * layout.state_slot_bytes
+            state_bytes = state_bytes[:, at : at + layout.state_slot_bytes]
+        for c in () if whole else layout.state_components:
             dtype = _DTYPES[c.dtype]
             n = dtype.itemsize
             for d in c.shape:

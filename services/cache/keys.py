@@ -29,10 +29,10 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 __all__ = ["FINGERPRINT_BYTES", "KEY_BYTES", "model_fingerprint", "page_keys"]
 
 
-def model_fingerprint(model_dir: Path, dtype: str, page_size: int) -> bytes:
+def model_fingerprint(model_dir: Path, dtype: str, page_size: int, tp_size: int = 1) -> bytes:
     """A 32-byte digest of what makes stored pages interchangeable: config.json, the dtype, the
-    page size, and a cheap digest of every weights file (name, size, safetensors header, first and
-    last MiB). It reads a few MiB per file, never the whole weights. ValueError when `model_dir`
+    page size, the tensor-parallel size (a sharded page holds every rank's shard, rank after rank),
+    and a cheap digest of every weights file (name, size, safetensors header, first and last MiB). It reads a few MiB per file, never the whole weights. ValueError when `model_dir`
     has no config.json."""
     model_dir = Path(model_dir)
     config = model_dir / "config.json"
@@ -42,6 +42,8 @@ def model_fingerprint(model_dir: Path, dtype: str, page_size: int) -> bytes:
         raise ValueError(f"page_size: must be > 0, got {page_size}")
     h = hashlib.sha256()
     h.update(f"himamba-storage-v{KEY_SCHEME_VERSION}\0{dtype}\0{page_size}\0".encode())
+    if tp_size > 1:  # TP=1 keys stay what they were
+        h.update(f"tp{tp_size}\0".encode())
     _update_chunk(h, config.read_bytes())
     for path in sorted(p for p in model_dir.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES)):
         _digest_weights_file(h, path)

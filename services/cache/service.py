@@ -343,13 +343,15 @@ class CacheService(Actor[ToCache]):
         if cache.hicache_storage_backend == "none" or self.ctrl is None or not layout.num_pages:
             return
         try:
-            fp = model_fingerprint(Path(self.cfg.model.model), self.cfg.model.dtype, cache.page_size)
+            fp = model_fingerprint(
+                Path(self.cfg.model.model), self.cfg.model.dtype, cache.page_size, layout.tp_size
+            )
             backend = open_configured_backend(cache, fp)
             assert backend is not None
             debug = self.cfg.debug
             if debug.storage_fail_rate or debug.storage_slow_s:
                 backend = FlakyBackend(backend, debug.storage_fail_rate, seed=0, slow_s=debug.storage_slow_s)
-            self._host_pools = open_host_pools(layout, create=False)
+            self._host_pools = open_host_pools(layout, create=False, rank=None)
             self._io = StorageIO(
                 backend,
                 self._host_pools.kv_bytes,

@@ -30,8 +30,9 @@ _log = logging.getLogger("himamba.worker")
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def host_layout(kv: KVPool, state: StatePool, num_pages: int, num_slots: int) -> HostPoolLayout:
-    """The shared-memory layout matching the device pools (names unique to this process)."""
+def host_layout(kv: KVPool, state: StatePool, num_pages: int, num_slots: int, tp_size: int = 1) -> HostPoolLayout:
+    """The shared-memory layout matching the device pools (names unique to this process); under tensor
+    parallelism, rank 0's, with room for every rank's (equal) shard."""
     comps = []
     offset = 0
     for li, layer in enumerate(state.spec.layers):
@@ -51,6 +52,7 @@ def host_layout(kv: KVPool, state: StatePool, num_pages: int, num_slots: int) ->
         num_slots=num_slots,
         state_components=comps,
         state_slot_bytes=max(offset, 8),
+        tp_size=tp_size,
     )
 
 
@@ -192,14 +194,17 @@ class HostTransfer:
         device: torch.device,
         faults: CopyFaults | None = None,
         packed: bool | None = None,
+        rank: int = 0,
     ):
         """`packed`: copy orders move packed runs (what pinned host memory allows); None: wherever the
-        host pools could be registered with CUDA. Tests set it on the CPU to run that path there."""
+        host pools could be registered with CUDA. Tests set it on the CPU to run that path there.
+        `rank`: this worker rank's shard of the pools (rank 0 creates them; the others attach)."""
         self.device = device
         self.kv = kv
         self.state = state
         self.layout = layout
-        self.host: HostPools = open_host_pools(layout, create=True)
+        self.creator = rank == 0
+        self.host: HostPools = open_host_pools(layout, create=self.creator, rank=rank)
         self.faults = faults or CopyFaults()
         self.unwritten = UnwrittenMemory()
         self.pinned = pin_host_pools(self.host) if device.type == "cuda" else "not on CUDA"
@@ -244,7 +249,7 @@ class HostTransfer:
     def close(self) -> None:
         if self.pinned == "":
             unpin_host_pools(self.host)
-        self.host.close(unlink=True)
+        self.host.close(unlink=self.creator)
 
     def _token_slots(self, pages: list[int]) -> torch.Tensor:
         ps = self.kv.page_size

@@ -136,13 +136,17 @@ class WorkerService(Actor[ToWorker]):
         self.kv = KVPool(kv_spec, plan.num_pages + graphs, self.page_size, self.device)
         self.state = StatePool(state_spec, plan.num_state_slots + graphs, self.device)
         self.num_state_slots = plan.num_state_slots  # the controller's: slot ids past it are the worker's
-        layout = host_layout(self.kv, self.state, plan.num_host_pages, plan.num_host_state_slots)
+        layout = host_layout(self.kv, self.state, plan.num_host_pages, plan.num_host_state_slots, self.tp_size)
         d = cfg.debug
         faults = CopyFaults(
             d.transfer_fail_at, d.batch_fail_at_transfer, d.worker_exit_at_transfer, d.transfer_direction,
             exit_marker=instance_dir(cfg) / "debug-worker-exit.fired" if d.worker_exit_at_transfer else None,
         )
-        self.host = HostTransfer(self.kv, self.state, layout, self.device, faults)
+        if self.fanout is not None and self.tp_rank:  # rank 0's segments, created before it shares the layout
+            layout = self.fanout.share(None)
+        self.host = HostTransfer(self.kv, self.state, layout, self.device, faults, rank=self.tp_rank)
+        if self.fanout is not None and self.tp_rank == 0:
+            self.fanout.share(layout)
         self.log.info("%s", self.host.describe())
         tokenizer_json = Path(cfg.model.tokenizer or cfg.model.model) / "tokenizer.json"
         self.grammars = GrammarCompiler(tokenizer_json, self.model.vocab_size, read_eos_token_ids(model_dir))
@@ -154,8 +158,9 @@ class WorkerService(Actor[ToWorker]):
             eos_token_ids=read_eos_token_ids(model_dir),
             num_attention_layers=kv_spec.num_layers,
             num_recurrent_layers=state_spec.num_layers,
-            kv_bytes_per_token=kv_spec.bytes_per_token(),
-            state_bytes_per_slot=state_spec.bytes_per_slot(),
+            # The whole model's bytes (every rank's shard): what the controller's pools hold per page and slot.
+            kv_bytes_per_token=kv_spec.bytes_per_token() * self.tp_size,
+            state_bytes_per_slot=state_spec.bytes_per_slot() * self.tp_size,
             num_pages=plan.num_pages,
             num_state_slots=plan.num_state_slots,
             num_host_pages=plan.num_host_pages,

@@ -1,12 +1,14 @@
 """`himamba serve --tensor-parallel-size 2` on the CPU (gloo): transformers' greedy tokens for the three
-sharded families, through device- and host-tier prefix hits; a rank that dies stops the server with one
-line, leaving no rank running and no shared memory behind."""
+sharded families, through device- and host-tier prefix hits, and from the storage tier after a restart on
+the same store; a rank that dies stops the server with one line, leaving no rank running and no shared
+memory behind."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -15,13 +17,12 @@ from himamba.common.client import Client
 from himamba.bench.servers import start_server
 from himamba.services.modelgen.checkpoint import make_checkpoint
 from tests.e2e.prompts import random_tokens
+from tests.e2e.storage_flags import STORAGE_FLAGS
 from tests.worker.hf_reference import greedy, load_reference
 
 # The GPU check (scripts/gpu/check.sh, step tp) runs this module on CUDA: NCCL, one GPU per rank.
-TP = (
-    "--tensor-parallel-size", "2", "--hicache-storage-backend", "none",
-    *(("--device", os.environ["HIMAMBA_TEST_DEVICE"]) if os.environ.get("HIMAMBA_TEST_DEVICE") else ()),
-)  # fmt: skip
+DEVICE = ("--device", os.environ["HIMAMBA_TEST_DEVICE"]) if os.environ.get("HIMAMBA_TEST_DEVICE") else ()
+TP = ("--tensor-parallel-size", "2", "--hicache-storage-backend", "none", *DEVICE)
 # Small device pools, so that a conversation is pushed out to the host pools and comes back from there.
 POOLS = (
     "--max-total-tokens", "512", "--max-context-len", "512", "--max-mamba-cache-size", "12",
@@ -98,3 +99,43 @@ def test_a_dead_rank_stops_the_server(tmp_path):
     assert not alive, alive
     shm = [n for n in os.listdir("/dev/shm") if any(n.startswith(f"himamba-{p}-") for p in children)]
     assert not shm, shm
+
+
+def _stored_bytes(store: Path) -> int:
+    return sum(p.stat().st_size for p in store.rglob("*.seg"))
+
+
+def test_a_restart_on_the_same_store_gives_storage_hits(tmp_path):
+    """Each page is stored as one blob holding both ranks' shards, under a key of the TP size: a TP=2
+    server finds what a TP=2 server stored."""
+    model_dir = make_checkpoint("nemotron_h", tmp_path / "m", preset="tiny")
+    ref = load_reference(model_dir)
+    store = tmp_path / "store"
+    flags = ("--tensor-parallel-size", "2", *DEVICE, *STORAGE_FLAGS, "--hicache-storage-dir", str(store))
+    server = start_server(model_dir, tmp_path / "logs", *flags)
+    history: list[int] = []
+    try:
+        with Client(server.endpoint) as c:
+            for turn, new in enumerate((40, 60)):
+                history = history + random_tokens(new, turn, vocab=2000)
+                out = c.generate(input_ids=history, max_tokens=8, ignore_eos=True)
+                assert out.token_ids == greedy(ref, history, 8)
+                history = history + out.token_ids
+        last, deadline = -1, time.monotonic() + 10
+        while time.monotonic() < deadline and (_stored_bytes(store) != last or last == 0):
+            last = _stored_bytes(store)
+            time.sleep(0.5)
+    finally:
+        server.stop()
+    assert _stored_bytes(store) > 0
+    server = start_server(model_dir, tmp_path / "logs", *flags)
+    try:
+        nxt = history + random_tokens(20, 7, vocab=2000)
+        with Client(server.endpoint) as c:
+            out = c.generate(input_ids=nxt, max_tokens=8, ignore_eos=True)
+        assert out.usage is not None and out.usage.cached_tokens.storage >= 96, out.usage
+        assert out.token_ids == greedy(ref, nxt, 8)
+        stats = server.cache_stats()
+        assert stats.invariants_ok, stats.invariants_error
+    finally:
+        server.stop()

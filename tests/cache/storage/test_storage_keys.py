@@ -97,6 +97,8 @@ def test_fingerprint_is_stable_and_salted_by_dtype_page_size_config_and_weights(
     assert fp == model_fingerprint(d, "float32", 16)
     assert fp != model_fingerprint(d, "bfloat16", 16)
     assert fp != model_fingerprint(d, "float32", 32)
+    assert fp == model_fingerprint(d, "float32", 16, tp_size=1)  # unsharded keys are what they were
+    assert fp != model_fingerprint(d, "float32", 16, tp_size=2)  # a sharded page's blob is laid out per rank
     (d / "config.json").write_text(json.dumps({"architectures": ["NemotronHForCausalLM"], "hidden_size": 16}))
     fp_config = model_fingerprint(d, "float32", 16)
     assert fp_config != fp
