@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from himamba.common.client import Client
 from himamba.bench.servers import start_server
+from himamba.common.client import Client
 from himamba.services.modelgen.checkpoint import make_checkpoint
 from tests.e2e.prompts import random_tokens
 from tests.e2e.storage_flags import STORAGE_FLAGS
