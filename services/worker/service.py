@@ -107,6 +107,11 @@ class WorkerService(Actor[ToWorker]):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
         if self.tp_size > 1:
             if self.device.type == "cuda":
+                if torch.cuda.device_count() < self.tp_size:
+                    raise RuntimeError(
+                        f"tensor parallelism: --tensor-parallel-size {self.tp_size} needs {self.tp_size} GPUs "
+                        f"(one per rank); this machine has {torch.cuda.device_count()}"
+                    )
                 torch.cuda.set_device(self.device)
             _, init = ranks_env()
             if not init:

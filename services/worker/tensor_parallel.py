@@ -10,6 +10,7 @@ ranks' partial outputs with one all-reduce (`all_reduce`), a vocab-parallel head
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -53,8 +54,6 @@ def use_group(g: Group) -> None:
 
 def init_group(rank: int, size: int, init_method: str, device: torch.device, timeout_s: float = 600.0) -> Group:
     """Join the process group (gloo on the CPU, NCCL on CUDA) and make it the current group."""
-    import datetime
-
     global _control
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
