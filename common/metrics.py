@@ -250,7 +250,7 @@ WORKER_STEP_TIME = MetricDef(
 WORKER_STEP_TOKENS = MetricDef(
     "himamba_worker_step_tokens_total", "Tokens run through the model, by batch mode.", "counter", "worker", ("mode",)
 )
-WORKER_TENSOR_PARALLEL_SIZE = MetricDef(
+WORKER_TENSOR_PARALLEL_RANKS = MetricDef(
     "himamba_worker_tensor_parallel_ranks", "Worker ranks the model is sharded over (1: not sharded).", "gauge", "worker"
 )
 
@@ -388,7 +388,7 @@ ALL_METRICS: tuple[MetricDef, ...] = (
     SCHEDULER_DECODE_STEPS_AHEAD,
     WORKER_STEP_TIME,
     WORKER_STEP_TOKENS,
-    WORKER_TENSOR_PARALLEL_SIZE,
+    WORKER_TENSOR_PARALLEL_RANKS,
     REQUEST_PROMPT_TOKENS,
     REQUEST_GENERATION_TOKENS,
     REQUEST_CACHED_TOKENS,

@@ -26,7 +26,7 @@ from himamba.common.metrics import (
     SCHEDULER_WAITING,
     TIERS,
     WORKER_STEP_TOKENS,
-    WORKER_TENSOR_PARALLEL_SIZE,
+    WORKER_TENSOR_PARALLEL_RANKS,
 )
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -112,7 +112,7 @@ class StatsLine:
             if used:
                 pools.append(f"{tier} {' '.join(used)}")
         parts.append("pools used: " + (", ".join(pools) if pools else "-"))
-        tp = _get(samples, WORKER_TENSOR_PARALLEL_SIZE.name)
+        tp = _get(samples, WORKER_TENSOR_PARALLEL_RANKS.name)
         if tp > 1:  # a sharded model: its pools' shares are each rank's
             parts.append(f"tp {tp:.0f}")
         return "stats: " + " | ".join(parts)

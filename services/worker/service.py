@@ -37,7 +37,7 @@ from himamba.common.messages import (
     TransfersDone,
     WorkerInfo,
 )
-from himamba.common.metrics import WORKER_STEP_TIME, WORKER_STEP_TOKENS, WORKER_TENSOR_PARALLEL_SIZE
+from himamba.common.metrics import WORKER_STEP_TIME, WORKER_STEP_TOKENS, WORKER_TENSOR_PARALLEL_RANKS
 from himamba.common.metrics_report import MetricsReporter
 from himamba.common.openmp_wait import describe_openmp_wait
 from himamba.common.runtime_dir import instance_dir
@@ -97,7 +97,7 @@ class WorkerService(Actor[ToWorker]):
         self.tokenizer = Outbox(self.ctx, cfg.endpoints.tokenizer_ipc)
         self.reporter = MetricsReporter("worker", self.tokenizer, cfg.metrics.report_interval_s)
         self.m = self.reporter.metrics
-        self.m[WORKER_TENSOR_PARALLEL_SIZE].set(self.tp_size)
+        self.m[WORKER_TENSOR_PARALLEL_RANKS].set(self.tp_size)
 
     async def start(self) -> str:
         cfg = self.cfg

@@ -11,7 +11,7 @@ from himamba.common.metrics import (
     SCHEDULER_WAITING,
     SERVICES,
     WORKER_STEP_TOKENS,
-    WORKER_TENSOR_PARALLEL_SIZE,
+    WORKER_TENSOR_PARALLEL_RANKS,
 )
 from himamba.common.metrics_exposition import merge_expositions
 from himamba.common.metrics_report import MetricsReporter
@@ -68,7 +68,7 @@ def test_a_restarted_service_never_gives_negative_rates():
 
 def test_a_sharded_model_says_its_tensor_parallel_size():
     srv, line = _Server(), StatsLine()
-    srv.m("worker")[WORKER_TENSOR_PARALLEL_SIZE].set(2)
+    srv.m("worker")[WORKER_TENSOR_PARALLEL_RANKS].set(2)
     line.update(srv.page(), 0.0)
     srv.m("scheduler")[SCHEDULER_RUNNING].set(1)
     text = line.update(srv.page(), 10.0)
