@@ -12,7 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `tests.worker`
+if __name__ == "__main__":  # run as a script: the repo root, for `tests.worker` (never in pytest's own path)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
