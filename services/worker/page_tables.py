@@ -67,6 +67,9 @@ class PageTables:
     ) -> None:
         self.page_size = page_size
         self.grammars = grammars
+        # False on a tensor-parallel follower rank: it samples nothing, so it keeps no grammar matchers
+        # (rank 0 alone prepared the grammars; masks are a sampling matter).
+        self.samples = True
         self.num_pages = num_pages
         self.vocab_size = vocab_size
         self.device = device
@@ -169,7 +172,7 @@ class PageTables:
             if plan.sampling.penalised:
                 pen = PenaltyState(self.vocab_size, plan.num_prompt, self.device)
                 pen.feed(plan.history)
-            grammar = self._grammar_state(plan) if plan.sampling.grammar is not None else None
+            grammar = self._grammar_state(plan) if plan.sampling.grammar is not None and self.samples else None
             old = self.seqs.pop(plan.rid, None)
             if old is not None:  # a reset of a running sequence: its row is taken afresh
                 self._free_rows.append(old.row)

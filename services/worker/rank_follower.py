@@ -47,6 +47,7 @@ async def _follow(cfg: Config, rank: int) -> int:
     code = 0
     try:
         detail = await worker.start()
+        worker.tables.samples = False
         log.info("rank %d of %d ready (%s)", rank, cfg.model.tensor_parallel_size, detail)
         fanout = worker.fanout
         assert fanout is not None

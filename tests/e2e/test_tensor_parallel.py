@@ -15,6 +15,7 @@ import pytest
 
 from himamba.bench.servers import start_server
 from himamba.common.client import Client
+from himamba.common.types import GrammarSpec
 from himamba.services.modelgen.checkpoint import make_checkpoint
 from tests.e2e.prompts import random_tokens
 from tests.e2e.storage_flags import STORAGE_FLAGS
@@ -63,6 +64,15 @@ def test_device_and_host_hits_equal_transformers(served):
     stats = server.cache_stats()
     assert stats.invariants_ok, stats.invariants_error
     assert stats.running_requests == 0
+
+
+def test_structured_output_is_rank_0s_alone_and_the_ranks_stay_in_step(served):
+    server, ref = served
+    with Client(server.endpoint) as c:
+        out = c.generate("answer: ", max_tokens=20, grammar=GrammarSpec(kind="choice", spec='["yes", "no"]'))
+        assert out.text in ("yes", "no") and out.finish_reason == "stop"
+        ids = random_tokens(20, 5, vocab=2000)
+        assert c.generate(input_ids=ids, max_tokens=4, ignore_eos=True).token_ids == greedy(ref, ids, 4)
 
 
 def _children(pid: int) -> list[int]:
