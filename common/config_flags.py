@@ -65,7 +65,8 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     CompatFlag(
         ("--data-parallel-size", "--dp-size", "--dp"),
         "refused_unless",
-        "One server runs one model on one device: run one server per device behind a router.",
+        "One server runs one copy of the model (on one device, or over --tensor-parallel-size devices): for more "
+        "copies run one server per copy behind a router.",
         takes_value=True,
         allowed="1",
     ),
