@@ -143,6 +143,15 @@ class UnwrittenMemory:
         pages.update(t.kv_dst)
         slots.update(t.state_dst)
 
+    def agree(self, transfers: Sequence[Transfer], failed: Sequence[int]) -> None:
+        """The ranks' merged outcome failed `failed`, some of which this rank may have done: their
+        destinations are unwritten here too, so every rank refuses the same reads (a rank refusing a
+        batch alone leaves the others waiting in the forward's collectives)."""
+        ids = set(failed)
+        for t in transfers:
+            if t.op_id in ids:
+                self.failed(t)
+
     def written(self, t: Transfer) -> None:
         _, (pages, slots) = self._sides(t)
         pages.difference_update(t.kv_dst)

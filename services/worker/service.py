@@ -253,6 +253,7 @@ class WorkerService(Actor[ToWorker]):
         copies = self.host.run_orders(msg.transfers)
         if self.fanout is not None:  # an order is done when every rank did it
             copies = self.fanout.merge_copies(copies)
+            self.host.unwritten.agree(msg.transfers, copies.failed)
         if copies.done or copies.failed:
             await self.cache.send(TransfersDone(op_ids=copies.done, failed=copies.failed))
         try:
