@@ -13,6 +13,7 @@ import torch
 from himamba.common.messages import SeqPlan, Transfer
 from himamba.services.worker import tp_ranks
 from himamba.services.worker.host_transfer import CopyFaults, HostTransfer, host_layout
+from himamba.services.worker.memory import PoolPlan
 from himamba.services.worker.pools import KVPool, KVSpec, StateComponent, StatePool, StateSpec
 
 PS = 4
@@ -78,3 +79,11 @@ def test_orders_every_rank_did_stay_written(copier, monkeypatch):
     assert merged.done == [1] and merged.failed == [2]
     h.unwritten.agree(orders, merged.failed)
     assert h.unwritten.dev_pages == {5}
+
+
+def test_ranks_size_their_pools_alike_the_smallest_of_what_each_could_hold(monkeypatch):
+    # Each rank plans from its own free memory (its GPU's, or the host's at its moment): left alone,
+    # a page id valid on rank 0 could lie past a follower's pool and fail that rank alone.
+    _group(monkeypatch, {1: PoolPlan(90, 12, 270, 36, 900)})
+    agreed = tp_ranks.Fanout(0).agree_plan(PoolPlan(100, 10, 300, 30, 1000))
+    assert agreed == PoolPlan(90, 10, 270, 30, 900)
