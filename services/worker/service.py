@@ -134,6 +134,8 @@ class WorkerService(Actor[ToWorker]):
         self.model = load_model(model_dir, device=self.device, dtype=_DTYPES[cfg.model.dtype])
         kv_spec, state_spec = self.model.kv_spec(), self.model.state_spec()
         plan = plan_pools(cfg, kv_spec, state_spec, self.device)
+        if self.fanout is not None:
+            plan = self.fanout.agree_plan(plan)
         self.page_size = cfg.cache.page_size
         # CUDA graphs pad decode batches with a scratch page and state slot past the controller's pools.
         # No CUDA graphs under tensor parallelism yet: capturing NCCL collectives is not verified.

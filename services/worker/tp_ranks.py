@@ -70,6 +70,14 @@ class Fanout:
         ordered_failed = [op for op in (*mine.done, *mine.failed) if op in failed]
         return TransferOutcome(done, ordered_failed, errors[0] if errors else "")
 
+    def agree_plan(self, mine: Any) -> Any:
+        """The smallest of every rank's `mine` (a NamedTuple of numbers, such as a PoolPlan), field by
+        field: each rank sizes its pools from its own free memory, yet a page or slot id must be valid
+        on every rank (the controller only hears rank 0's sizes)."""
+        plans: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(plans, tuple(mine), group=control_group())
+        return type(mine)(*(min(values) for values in zip(*plans, strict=True)))
+
 
 def ranks_env() -> tuple[int, str]:
     """This process's rank and the group's rendezvous address, as the launcher set them."""
