@@ -59,7 +59,7 @@ from himamba.services.worker.pools import KVPool, StatePool
 from himamba.services.worker.runner import build_forward_batch, slots_to_zero
 from himamba.services.worker.sampler import sample
 from himamba.services.worker.step_threads import Choice, StepThreads
-from himamba.services.worker.tensor_parallel import close_group, init_group
+from himamba.services.worker.tensor_parallel import close_group, init_group, threads_per_rank
 from himamba.services.worker.tp_ranks import Fanout, ranks_env
 from himamba.services.worker.warmup import warm_up_prefill
 
@@ -104,7 +104,7 @@ class WorkerService(Actor[ToWorker]):
         if cfg.model.torch_threads:
             torch.set_num_threads(cfg.model.torch_threads)
         elif self.tp_size > 1 and self.device.type == "cpu":  # the ranks share the cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
+            torch.set_num_threads(threads_per_rank(self.tp_size))
         if self.tp_size > 1:
             if self.device.type == "cuda":
                 if torch.cuda.device_count() < self.tp_size:

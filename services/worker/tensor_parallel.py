@@ -63,6 +63,13 @@ def init_group(rank: int, size: int, init_method: str, device: torch.device, tim
     return _group
 
 
+def threads_per_rank(size: int) -> int:
+    """Torch threads for each of `size` ranks sharing this machine's cores: torch's default (the cores
+    this process may run on, or OMP_NUM_THREADS), split; not os.cpu_count(), the host's count even in a
+    container pinned to a few."""
+    return max(1, torch.get_num_threads() // size)
+
+
 def control_group() -> object | None:
     """The group that carries Python objects (messages, outcomes): gloo, on the CPU, whatever the device."""
     return _control

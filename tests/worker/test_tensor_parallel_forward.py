@@ -102,7 +102,7 @@ def test_a_group_of_one_is_untouched():
 
 def test_ranks_on_the_cpu_split_the_cores_this_process_may_use(monkeypatch):
     # A container pinned to 2 cores of a 64-core host: os.cpu_count() says 64, torch's default says 2.
-    monkeypatch.setattr(tensor_parallel.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
     monkeypatch.setattr(tensor_parallel.torch, "get_num_threads", lambda: 2)
     assert tensor_parallel.threads_per_rank(2) == 1
     assert tensor_parallel.threads_per_rank(4) == 1
