@@ -398,7 +398,8 @@ def scatter_state_rows(pool: Tensor, slots: Tensor, rows: Tensor) -> None:
 
 
 # Varlen prefill: one call for every sequence of a step (see `varlen`). The Triton twins run it in one
-# launch; CPU tensors run `segmented`, the per-segment ops above (native where there is one).
+# launch, the native CPU kernels in one parallel region; otherwise (the references, Mamba1's scan and the
+# delta rule on CPU) `segmented` runs the per-segment ops above.
 
 
 def causal_conv1d_varlen(
@@ -414,6 +415,8 @@ def causal_conv1d_varlen(
     `conv_pool` [slots, D, K-1] (or zeros), captures and final states written there."""
     if uses_triton(x):
         return _twin("conv1d").causal_conv1d_varlen(x, weight, bias, conv_pool, state_slots, v, activation)
+    if uses_native(x) and _native_conv1d.supports_varlen(x, weight, bias, conv_pool):
+        return _native_conv1d.causal_conv1d_varlen(x, weight, bias, conv_pool, state_slots, v, activation)
     return _conv1d_by_segments(causal_conv1d, x, weight, bias, conv_pool, state_slots, v, activation)
 
 
@@ -437,6 +440,8 @@ def ssd_scan_varlen(
     args = (x, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit, ssm_pool, state_slots, v)
     if uses_triton(x):
         return _twin("ssd").ssd_scan_varlen(*args)
+    if uses_native(x) and _native_ssd.supports_scan_varlen(x, dt, A, B, C, ssm_pool, D, dt_bias):
+        return _native_ssd.ssd_scan_varlen(*args)
     return _ssd_scan_by_segments(ssd_scan, *args)
 
 

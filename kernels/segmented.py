@@ -1,11 +1,12 @@
-"""The varlen prefill ops run segment by segment: what CPU tensors run, and the reference the Triton
-varlen twins are checked against.
+"""The varlen prefill ops run segment by segment: what CPU tensors run where no native varlen kernel
+takes them (the PyTorch references, Mamba1's scan, the delta rule), and the reference the native and
+Triton varlen kernels are checked against.
 
 Each sequence is cut at its capture offsets; a per-segment op (`causal_conv1d`, `ssd_scan`, ...; the
 native kernel or the PyTorch reference, as `dispatch` picks) runs each piece from the state the
 previous one left (or from the sequence's slot when it has a cached prefix, or zeros), the state after
 a piece is copied into the capture slots at its end, and the final one into the sequence's slot.
-On CPU a call per segment costs nothing a single call would save; a GPU would pay a launch each.
+A call per segment costs a Python round and a concatenation of the pieces on CPU, a launch each on a GPU.
 """
 
 from __future__ import annotations

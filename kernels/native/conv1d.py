@@ -1,12 +1,13 @@
-"""The causal depthwise conv: a prefill segment with its activation in one pass (conv_scan.c), and one
-decode step in one pass over each window (conv_update.c)."""
+"""The causal depthwise conv: a prefill segment, or a packed varlen batch with its captures, with its
+activation in one pass (conv_scan.c), and one decode step in one pass over each window (conv_update.c)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from ..reference.conv1d import ConvResult, check_args, check_update_args
+from ..reference.conv1d import ConvResult, check_args, check_update_args, check_varlen_args
+from ..varlen import Varlen
 from .build import native_build
 
 
@@ -43,6 +44,50 @@ def causal_conv1d(
     if status != 0:
         raise MemoryError("causal_conv1d: out of memory for the taps")
     return ConvResult(out.transpose(1, 2), final)
+
+
+def supports_varlen(x: Tensor, weight: Tensor, bias: Tensor | None, conv_pool: Tensor) -> bool:
+    """Whether `causal_conv1d_varlen` takes these tensors: float32, x's channels contiguous, the pool
+    contiguous (its windows are written in place)."""
+    tensors = (x, weight, conv_pool) if bias is None else (x, weight, bias, conv_pool)
+    return (
+        all(t.dtype == torch.float32 for t in tensors)
+        and (x.stride(1) == 1 or x.shape[1] == 1)
+        and conv_pool.is_contiguous()
+    )
+
+
+def causal_conv1d_varlen(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    conv_pool: Tensor,
+    state_slots: Tensor,
+    v: Varlen,
+    activation: str | None = "silu",
+) -> Tensor:
+    """As `dispatch.causal_conv1d_varlen` for float32 CPU tensors: every sequence in one call, the
+    out [T, D] written once, windows read from and written (captures, final) into `conv_pool`; a
+    slot outside the pool is a ValueError (nothing is written then)."""
+    width = check_varlen_args(x, weight, bias, conv_pool, state_slots, v, activation)
+    library = native_build().library
+    assert library is not None
+    total, channels = x.shape
+    out = x.new_empty(total, channels)
+    slots = state_slots.to(torch.int64).contiguous()
+    weight = weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    status = library.hm_conv_varlen_f32(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(), conv_pool.data_ptr(),
+        conv_pool.shape[0], slots.data_ptr(), v.prefix.data_ptr(), v.cu_seqlens.data_ptr(), v.cu_captures.data_ptr(),
+        v.capture_offsets.data_ptr(), v.capture_slots.data_ptr(), int(activation == "silu"), out.data_ptr(),
+        v.num_seqs, channels, width,
+    )  # fmt: skip
+    if status == -1:
+        raise ValueError(f"state_slots or a capture slot lies outside the pool's {conv_pool.shape[0]} slots")
+    if status != 0:
+        raise MemoryError("causal_conv1d_varlen: out of memory for the taps")
+    return out
 
 
 def supports_update(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None) -> bool:

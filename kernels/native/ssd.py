@@ -1,5 +1,5 @@
-"""Mamba2's recurrence: the chunked scan of a prefill in one parallel region (chunk_scan.c), and one
-decode step in one pass over the state (state_update.c)."""
+"""Mamba2's recurrence: the chunked scan of a prefill (a batch, or a packed varlen batch with its captures)
+in one parallel region (chunk_scan.c), and one decode step in one pass over the state (state_update.c)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,16 @@ import math
 import torch
 from torch import Tensor
 
-from ..reference.ssd import ScanResult, check_dt_limit, check_scan_args, check_state_update_args, chunk_length
+from ..reference.ssd import (
+    ScanResult,
+    check_dt_limit,
+    check_scan_args,
+    check_state_update_args,
+    check_varlen_scan_args,
+    chunk_length,
+    max_chunk_length,
+)
+from ..varlen import Varlen
 from .build import native_build
 
 
@@ -82,6 +91,65 @@ def ssd_scan(
     if status != 0:
         raise MemoryError("ssd_scan: out of memory for the chunk products")
     return ScanResult(y, final)
+
+
+def supports_scan_varlen(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ssm_pool: Tensor, *others: Tensor | None
+) -> bool:
+    """Whether `ssd_scan_varlen` takes these tensors: float32, the pool contiguous (written in place)."""
+    return _float32(x, dt, A, B, C, ssm_pool, *others) and ssm_pool.is_contiguous()
+
+
+def ssd_scan_varlen(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int,
+    D: Tensor | None,
+    dt_bias: Tensor | None,
+    dt_softplus: bool,
+    dt_limit: tuple[float, float],
+    ssm_pool: Tensor,
+    state_slots: Tensor,
+    v: Varlen,
+) -> Tensor:
+    """As `dispatch.ssd_scan_varlen` for float32 CPU tensors: every sequence in one parallel region, y
+    written once, states read from and written (captures, final) into `ssm_pool`; each segment
+    between capture offsets is chunked as `ssd_scan` would chunk it. A slot outside the pool is a
+    ValueError (nothing is written then)."""
+    check_varlen_scan_args(x, dt, A, B, C, chunk_size, D, dt_bias, ssm_pool, state_slots, v)
+    check_dt_limit(dt_limit)
+    library = native_build().library
+    assert library is not None
+    total, heads, head_dim = x.shape
+    groups, state_size = B.shape[1], B.shape[2]
+    y = x.new_empty(total, heads, head_dim)
+    x = x if _inner_contiguous(x, 2) else x.contiguous()
+    dt = dt if _inner_contiguous(dt, 1) else dt.contiguous()
+    if not (_inner_contiguous(B, 2) and _inner_contiguous(C, 2) and B.stride(0) == C.stride(0)):
+        B, C = B.contiguous(), C.contiguous()
+    A, D, dt_bias = (
+        A.contiguous(),
+        None if D is None else D.contiguous(),
+        None if dt_bias is None else dt_bias.contiguous(),
+    )
+    slots = state_slots.to(torch.int64).contiguous()
+    low, high = dt_limit
+    status = library.hm_ssd_scan_varlen_f32(
+        x.data_ptr(), x.stride(0), dt.data_ptr(), dt.stride(0), A.data_ptr(), B.data_ptr(), C.data_ptr(),
+        B.stride(0), None if D is None else D.data_ptr(), None if dt_bias is None else dt_bias.data_ptr(),
+        int(dt_softplus), low, high, _clamps(dt_limit), ssm_pool.data_ptr(), ssm_pool.shape[0], slots.data_ptr(),
+        v.prefix.data_ptr(), v.cu_seqlens.data_ptr(), v.cu_captures.data_ptr(), v.capture_offsets.data_ptr(),
+        v.capture_slots.data_ptr(), y.data_ptr(), v.num_seqs, heads, head_dim, groups, state_size,
+        max_chunk_length(chunk_size, x.device),
+    )  # fmt: skip
+    if status == -1:
+        raise ValueError(f"state_slots or a capture slot lies outside the pool's {ssm_pool.shape[0]} slots")
+    if status != 0:
+        raise MemoryError("ssd_scan_varlen: out of memory for the chunk products")
+    return y
 
 
 def supports_state_update(

@@ -35,9 +35,7 @@ class ScanResult(NamedTuple):
     final_state: Tensor  # [Bt, H, P, N], float32 (or the dtype of the given initial state)
 
 
-def _process_dt(
-    dt: Tensor, dt_bias: Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float]
-) -> Tensor:
+def _process_dt(dt: Tensor, dt_bias: Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float]) -> Tensor:
     check_dt_limit(dt_limit)
     low, high = dt_limit
     dt = dt.float()
@@ -50,9 +48,7 @@ def _process_dt(
     return dt
 
 
-def _check_heads(
-    x: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None, dt_bias: Tensor | None
-) -> int:
+def _check_heads(x: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None, dt_bias: Tensor | None) -> int:
     """Validate the head/group layout shared by both entry points; return heads per group."""
     heads = x.shape[-2]
     groups = B.shape[-2]
@@ -158,12 +154,16 @@ def check_varlen_scan_args(
     return x.shape[1] // B.shape[1]
 
 
+def max_chunk_length(chunk_size: int, device: torch.device) -> int:
+    """The longest chunk `ssd_scan` runs: `chunk_size`, on CPU at most _CPU_CHUNK (faster there: the
+    Q x Q decay work grows with Q)."""
+    return min(chunk_size, _CPU_CHUNK) if device.type == "cpu" else chunk_size
+
+
 def chunk_length(length: int, chunk_size: int, device: torch.device) -> int:
     """The length of `ssd_scan`'s equal chunks for a segment of `length` tokens (> 0): at most
-    `chunk_size` (on CPU at most _CPU_CHUNK, faster there: the Q x Q decay work grows with Q), as few
-    chunks as that allows, and fewer than one chunk of padding."""
-    if device.type == "cpu":
-        chunk_size = min(chunk_size, _CPU_CHUNK)
+    `max_chunk_length`, as few chunks as that allows, and fewer than one chunk of padding."""
+    chunk_size = max_chunk_length(chunk_size, device)
     chunks = -(-length // chunk_size)
     return -(-length // chunks)
 

@@ -1,0 +1,151 @@
+"""The native varlen prefill kernels (one call for every sequence of a step, states straight from and into
+the pool) against `segmented`'s loop over the per-segment references: the conv and Mamba2's scan."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from himamba.kernels import segmented
+from himamba.kernels.native import build
+from himamba.kernels.native import conv1d as native_conv1d
+from himamba.kernels.native import ssd as native_ssd
+from himamba.kernels.reference import conv1d, ssd
+from himamba.kernels.varlen import Varlen, make_varlen
+
+pytestmark = pytest.mark.skipif(
+    build.native_build().library is None, reason=f"native kernels {build.native_build().detail}"
+)
+
+SLOTS = 40
+# (new tokens, prefix, capture offsets) per sequence: a fresh sequence shorter than the conv window and
+# than a chunk; one continuing a prefix with captures on both sides of a chunk boundary (32 on CPU) and
+# at its end; one with two slots at one offset and a capture at token 1; one capture-free; one token.
+BATCH = [
+    (3, 0, [2]),
+    (70, 17, [5, 31, 32, 33, 64, 70]),
+    (40, 0, [1, 16, 16, 37]),
+    (100, 4, []),
+    (1, 9, [1]),
+]
+
+
+def _layout() -> tuple[Varlen, torch.Tensor]:
+    """The batch's layout, its sequences' slots (scattered), and distinct capture slots."""
+    free = iter(torch.randperm(SLOTS, generator=torch.Generator().manual_seed(1)).tolist())
+    state_slots = torch.tensor([next(free) for _ in BATCH])
+    captures = [[(o, next(free)) for o in offs] for _, _, offs in BATCH]
+    v = make_varlen([n for n, _, _ in BATCH], [p for _, p, _ in BATCH], captures, torch.device("cpu"))
+    return v, state_slots
+
+
+def _conv_inputs(channels: int, width: int, bias: bool):
+    gen = torch.Generator().manual_seed(channels * 10 + width)
+    v, slots = _layout()
+    # x as a column block of a wider projection's rows (token stride > channels).
+    x = torch.randn(v.num_tokens, channels + 5, generator=gen)[:, 2 : 2 + channels]
+    weight = torch.randn(channels, width, generator=gen)
+    b = torch.randn(channels, generator=gen) if bias else None
+    pool = torch.randn(SLOTS, channels, width - 1, generator=gen)
+    return x, weight, b, pool, slots, v
+
+
+@pytest.mark.parametrize(
+    ("channels", "width", "bias", "activation"),
+    [(48, 4, True, "silu"), (20, 4, False, None), (33, 2, True, "silu"), (16, 5, True, "silu")],
+)
+def test_conv_equals_the_segment_loop_of_the_reference(channels, width, bias, activation) -> None:
+    x, weight, b, pool, slots, v = _conv_inputs(channels, width, bias)
+    want_pool = pool.clone()
+    want = segmented.conv1d_varlen(conv1d.causal_conv1d, x, weight, b, want_pool, slots, v, activation)
+    got = native_conv1d.causal_conv1d_varlen(x, weight, b, pool, slots, v, activation)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Every written slot holds what the loop wrote; every other slot is as it was.
+    torch.testing.assert_close(pool, want_pool, rtol=0, atol=0)
+
+
+def test_conv_writes_nothing_when_a_slot_is_outside_the_pool() -> None:
+    x, weight, b, pool, slots, v = _conv_inputs(24, 4, True)
+    kept = pool.clone()
+    bad = slots.clone()
+    bad[3] = SLOTS
+    with pytest.raises(ValueError, match="outside the pool's 40 slots"):
+        native_conv1d.causal_conv1d_varlen(x, weight, b, pool, bad, v, "silu")
+    assert torch.equal(pool, kept)
+    caps = [[(o, SLOTS + 2 if o == 64 else s) for o, s in c] for c in v.captures]
+    v2 = make_varlen(v.new_lens, v.prefix_lens, caps, torch.device("cpu"))
+    with pytest.raises(ValueError, match="outside the pool"):
+        native_conv1d.causal_conv1d_varlen(x, weight, b, pool, slots, v2, "silu")
+    assert torch.equal(pool, kept)
+
+
+def _scan_inputs(heads: int, head_dim: int, groups: int, n: int):
+    gen = torch.Generator().manual_seed(heads * 100 + n)
+    v, slots = _layout()
+    t = v.num_tokens
+    # x, B and C as views into the rows of one projection, as the layer hands them over.
+    gn = groups * n
+    proj = torch.randn(t, heads * head_dim + 2 * gn + 3, generator=gen)
+    x = proj[:, : heads * head_dim].view(t, heads, head_dim)
+    B = proj[:, heads * head_dim : heads * head_dim + gn].view(t, groups, n)
+    C = proj[:, heads * head_dim + gn : heads * head_dim + 2 * gn].view(t, groups, n)
+    dt = torch.randn(t, heads, generator=gen)
+    A = -torch.rand(heads, generator=gen) * 2
+    D = torch.randn(heads, generator=gen)
+    dt_bias = torch.randn(heads, generator=gen)
+    pool = torch.randn(SLOTS, heads, head_dim, n, generator=gen)
+    return x, dt, A, B, C, D, dt_bias, pool, slots, v
+
+
+@pytest.mark.parametrize(
+    ("heads", "head_dim", "groups", "n", "chunk", "limit", "skip"),
+    [
+        (4, 16, 2, 16, 128, (0.0, math.inf), True),  # chunks of the CPU's 32 tokens
+        (6, 8, 3, 24, 8, (0.01, 0.5), False),  # short chunks, dt clamped, no D
+        (2, 20, 1, 12, 64, (0.0, math.inf), True),  # sizes off the vector width
+    ],
+)
+def test_scan_equals_the_segment_loop_of_the_reference(heads, head_dim, groups, n, chunk, limit, skip) -> None:
+    x, dt, A, B, C, D, dt_bias, pool, slots, v = _scan_inputs(heads, head_dim, groups, n)
+    D = D if skip else None
+    want_pool = pool.clone()
+    args = (x, dt, A, B, C, chunk, D, dt_bias, True, limit)
+    want = segmented.ssd_scan_varlen(ssd.ssd_scan, *args, want_pool, slots, v)
+    got = native_ssd.ssd_scan_varlen(*args, pool, slots, v)
+    scale = want.abs().max()
+    torch.testing.assert_close(got / scale, want / scale, rtol=0, atol=1e-5)
+    torch.testing.assert_close(pool, want_pool, rtol=1e-4, atol=1e-5)
+
+
+def test_scan_equals_its_native_segment_loop_exactly() -> None:
+    """The varlen kernel chunks each segment as `ssd_scan` does: the same float operations."""
+    x, dt, A, B, C, D, dt_bias, pool, slots, v = _scan_inputs(4, 16, 2, 16)
+    want_pool = pool.clone()
+    args = (x, dt, A, B, C, 128, D, dt_bias, True, (0.0, math.inf))
+    want = segmented.ssd_scan_varlen(native_ssd.ssd_scan, *args, want_pool, slots, v)
+    got = native_ssd.ssd_scan_varlen(*args, pool, slots, v)
+    assert torch.equal(got, want)
+    assert torch.equal(pool, want_pool)
+
+
+def test_a_fresh_sequence_never_reads_its_slot() -> None:
+    x, dt, A, B, C, D, dt_bias, pool, slots, v = _scan_inputs(4, 16, 2, 16)
+    args = (x, dt, A, B, C, 128, D, dt_bias, True, (0.0, math.inf))
+    first = native_ssd.ssd_scan_varlen(*args, pool.clone(), slots, v)
+    garbage = pool.clone()
+    fresh = [b for b, (_, prefix, _) in enumerate(BATCH) if prefix == 0]
+    garbage[slots[fresh]] = float("nan")
+    again = native_ssd.ssd_scan_varlen(*args, garbage, slots, v)
+    assert torch.equal(first, again)
+
+
+def test_scan_writes_nothing_when_a_slot_is_outside_the_pool() -> None:
+    x, dt, A, B, C, D, dt_bias, pool, slots, v = _scan_inputs(4, 16, 2, 16)
+    kept = pool.clone()
+    bad = slots.clone()
+    bad[0] = -1
+    with pytest.raises(ValueError, match="outside the pool's 40 slots"):
+        native_ssd.ssd_scan_varlen(x, dt, A, B, C, 128, D, dt_bias, True, (0.0, math.inf), pool, bad, v)
+    assert torch.equal(pool, kept)
