@@ -439,6 +439,7 @@ class Row:
     bandwidth_fraction: float | None  # of the copy probe (decode only)
     context: float  # mean KV context length during the step(s)
     collective_share: float = 0.0  # of the model time, in tensor-parallel collectives
+    seqs: int = 1  # prefill: prompts of `size` tokens in the one step (one varlen batch)
 
 
 @dataclass
@@ -464,6 +465,7 @@ class Options:
     peer: str = "none"  # "none" | "vllm"
     peer_python: Path | None = None
     peer_log: bool = False
+    prefill_batches: list[tuple[int, int]] = field(default_factory=lambda: [(8, 256)])  # (prompts, tokens each)
     gen_batches: list[int] = field(default_factory=lambda: [1, 8, 32])
     gen_prompt_lens: list[int] = field(default_factory=lambda: [512, 2048])
     gen_prompt: int = 128
@@ -543,6 +545,7 @@ class _Measured:
     ours: StepTimes
     hf: list[float]
     context: float
+    seqs: int = 1
 
 
 def _median_machine(probes: list[Machine]) -> Machine:
@@ -568,7 +571,9 @@ def run(opts: Options, out: TextIO, err: TextIO) -> dict[str, Any]:
     model = load_model(ckpt, device="cpu", dtype=dtype)
     cost = model_cost(model)
     cfg = json.loads((ckpt / "config.json").read_text())
-    max_batch = max(opts.batches)
+    max_batch = max(opts.batches + [n for n, _ in opts.prefill_batches])
+    # A prefill batch's pages: each prompt rounds up to whole pages.
+    batched_tokens = max([n * (length + opts.page_size) for n, length in opts.prefill_batches], default=0)
     decode_tokens = max_batch * (opts.context + opts.context // 16 + opts.decode_steps + 8)
     gen_tokens = max(
         max(opts.gen_batches) * (opts.gen_prompt + opts.gen_tokens + opts.page_size),
@@ -577,7 +582,7 @@ def run(opts: Options, out: TextIO, err: TextIO) -> dict[str, Any]:
     ours = OurEngine(
         model,
         opts.page_size,
-        max_tokens=max(max(opts.prompt_lens), decode_tokens, gen_tokens),
+        max_tokens=max(max(opts.prompt_lens), batched_tokens, decode_tokens, gen_tokens),
         max_seqs=max(max_batch, max(opts.gen_batches)) + 1,
         seed=opts.seed,
         threads=StepThreads(opts.threads) if opts.adaptive_threads else None,
@@ -586,7 +591,7 @@ def run(opts: Options, out: TextIO, err: TextIO) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(opts.seed)
     vocab = model.vocab_size
 
-    prefill_units = len(opts.prompt_lens) * (opts.repeats + 1) if opts.phases else 0
+    prefill_units = (len(opts.prompt_lens) + len(opts.prefill_batches)) * (opts.repeats + 1) if opts.phases else 0
     decode_units = len(opts.batches) * (opts.decode_steps + 3) if opts.phases else 0
     scenarios = _scenarios(opts)
     gen_units = len(scenarios) * (opts.gen_runs + 1) + (1 if opts.peer != "none" else 0)
@@ -595,21 +600,24 @@ def run(opts: Options, out: TextIO, err: TextIO) -> dict[str, Any]:
     progress.update("machine probes")
     measured: list[_Measured] = []
 
-    for length in opts.prompt_lens if opts.phases else []:
-        prompt = _prompt(gen, vocab, length)
-        row = _Measured("prefill", length, length, StepTimes(), [], float(length))
+    # Prefill steps: one prompt of each length, then batches of equal prompts in one step (ours: one
+    # varlen batch; transformers: one [B, L] forward).
+    shapes = [(1, n) for n in opts.prompt_lens] + list(opts.prefill_batches)
+    for seqs, length in shapes if opts.phases else []:
+        prompts = [_prompt(gen, vocab, length) for _ in range(seqs)]
+        row = _Measured("prefill", length, seqs * length, StepTimes(), [], float(length), seqs)
         for r in range(opts.repeats + 1):  # round 0 warms both engines up; who goes first alternates
             for engine in ("ours", "hf") if r % 2 == 0 else ("hf", "ours"):
                 if engine == "ours":
-                    seq = ours.new_seq()
-                    ours.step("prefill", [seq], [prompt], row.ours if r > 0 else StepTimes())
-                    ours.release([seq])
+                    batch = [ours.new_seq() for _ in prompts]
+                    ours.step("prefill", batch, prompts, row.ours if r > 0 else StepTimes())
+                    ours.release(batch)
                 elif hf is not None:
                     t0 = time.perf_counter()
-                    hf.prefill(torch.tensor([prompt]))
+                    hf.prefill(torch.tensor(prompts))
                     if r > 0:
                         row.hf.append(time.perf_counter() - t0)
-            progress.update(f"prefill L={length} round {r}/{opts.repeats}")
+            progress.update(f"prefill {_prefill_label(seqs, length)} round {r}/{opts.repeats}")
         measured.append(row)
     probes.append(probe_machine(dtype, opts.threads, heap.reason))
     progress.update("machine probes")
@@ -645,7 +653,7 @@ def run(opts: Options, out: TextIO, err: TextIO) -> dict[str, Any]:
     progress.close()
 
     machine = _median_machine(probes)
-    rows = [_row(m.phase, m.size, m.tokens, m.ours, m.hf, cost, machine, m.context) for m in measured]
+    rows = [_row(m.phase, m.size, m.tokens, m.ours, m.hf, cost, machine, m.context, m.seqs) for m in measured]
     summary = {
         "bench": "forward",
         "arch": opts.arch,
@@ -734,13 +742,14 @@ def _row(
     cost: ModelCost,
     machine: Machine,
     context: float,
+    seqs: int = 1,
 ) -> Row:
     step = statistics.median(times.total())
     model_s = statistics.median(times.model)
     hf_tok_s = tokens / statistics.median(hf_times) if hf_times else None
     ours_tok_s = tokens / step
     if phase == "prefill":
-        flops = cost.prefill_flops(size)
+        flops = seqs * cost.prefill_flops(size)
         bw = None
     else:
         flops = size * cost.decode_flops(context)
@@ -760,6 +769,7 @@ def _row(
         bandwidth_fraction=bw,
         context=context,
         collective_share=sum(times.collective) / sum(times.model) if times.collective else 0.0,
+        seqs=seqs,
     )
 
 
@@ -793,6 +803,14 @@ def _layer_string(cfg: dict[str, Any]) -> str:
     return "".join(letters.get(k, "?") for k in kinds) or str(cfg.get("hybrid_override_pattern", "?"))
 
 
+def _prefill_label(seqs: int, length: int) -> str:
+    return f"L={length}" if seqs == 1 else f"{seqs}x{length}"
+
+
+def _size_label(r: Row) -> str:
+    return _prefill_label(r.seqs, r.size) if r.phase == "prefill" else f"B={r.size}"
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
@@ -822,7 +840,7 @@ def _print_table(
     )
     out.write(header + "\n" + "-" * len(header) + "\n")
     for r in rows:
-        size = f"L={r.size}" if r.phase == "prefill" else f"B={r.size}"
+        size = _size_label(r)
         bw = "" if r.bandwidth_fraction is None else f"{100 * r.bandwidth_fraction:.0f}%"
         overhead = (r.build_ms + r.sample_ms) / (r.build_ms + r.model_ms + r.sample_ms)
         out.write(
@@ -837,15 +855,26 @@ def _print_table(
         "(weights, KV, state) per second over the copy probe.\n"
     )
     if opts.tp > 1:
-        shares = ", ".join(
-            f"{r.phase} {'L' if r.phase == 'prefill' else 'B'}={r.size} {100 * r.collective_share:.1f}%" for r in rows
-        )
+        shares = ", ".join(f"{r.phase} {_size_label(r)} {100 * r.collective_share:.1f}%" for r in rows)
         out.write(f"tensor parallel: {opts.tp} gloo ranks; all-reduce/all-gather share of the model time: {shares}\n")
     if any(r.flops_fraction > 1.0 for r in rows):
         out.write(
             "Some %FLOP/s exceed 100%: the probe's square matmul is slower in this dtype than the model's\n"
             "skinny ones (typical of bfloat16 on CPUs without native bfloat16 matmul).\n"
         )
+
+
+def _batch_list(text: str) -> list[tuple[int, int]]:
+    """ "8x256,4x512" -> [(8, 256), (4, 512)]; "" -> no batches."""
+    out = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        seqs, _, length = item.partition("x")
+        if not (seqs.isdigit() and length.isdigit() and int(seqs) >= 1 and int(length) >= 1):
+            raise argparse.ArgumentTypeError(f"expected PROMPTSxTOKENS items like 8x256, got {item!r}")
+        out.append((int(seqs), int(length)))
+    return out
 
 
 def _int_list(text: str) -> list[int]:
@@ -865,6 +894,12 @@ def parse_args(argv: list[str]) -> Options:
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="float32")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (both engines)")
     p.add_argument("--prompt-lens", type=_int_list, default=[128, 512, 2048])
+    p.add_argument(
+        "--prefill-batches",
+        type=_batch_list,
+        default=[(8, 256)],
+        help="prefill steps of several prompts at once, as PROMPTSxTOKENS (e.g. 8x256,4x512; '' for none)",
+    )
     p.add_argument("--batches", type=_int_list, default=[1, 8, 32])
     p.add_argument("--context", type=int, default=128, help="decode context length per sequence")
     p.add_argument("--repeats", type=int, default=3, help="prefill repeats (after one warm-up)")
@@ -955,6 +990,7 @@ def parse_args(argv: list[str]) -> Options:
         dtype=a.dtype,
         threads=a.threads,
         prompt_lens=a.prompt_lens,
+        prefill_batches=a.prefill_batches,
         batches=a.batches,
         context=a.context,
         repeats=a.repeats,

@@ -27,6 +27,7 @@ def _options(checkpoint: Path, reference: bool) -> Options:
         dtype="float32",
         threads=1,
         prompt_lens=[8, 20],
+        prefill_batches=[(3, 8)],
         batches=[1, 3],
         context=16,
         repeats=1,
@@ -48,7 +49,15 @@ def test_run_measures_both_engines_on_every_shape(checkpoint: Path) -> None:
     out, err = io.StringIO(), io.StringIO()
     summary = run(_options(checkpoint, reference=True), out, err)
     rows = summary["rows"]
-    assert [(r["phase"], r["size"]) for r in rows] == [("prefill", 8), ("prefill", 20), ("decode", 1), ("decode", 3)]
+    shapes = [(r["phase"], r["seqs"], r["size"], r["tokens_per_step"]) for r in rows]
+    # One prompt of each length, three prompts of 8 in one step, then the decode batches.
+    assert shapes == [
+        ("prefill", 1, 8, 8),
+        ("prefill", 1, 20, 20),
+        ("prefill", 3, 8, 24),
+        ("decode", 1, 1, 1),
+        ("decode", 1, 3, 3),
+    ]
     for r in rows:
         assert r["ours_tok_s"] > 0 and r["hf_tok_s"] > 0
         assert r["ratio"] == pytest.approx(r["ours_tok_s"] / r["hf_tok_s"])
@@ -56,7 +65,7 @@ def test_run_measures_both_engines_on_every_shape(checkpoint: Path) -> None:
         assert r["flops_fraction"] > 0
         assert (r["bandwidth_fraction"] is None) == (r["phase"] == "prefill")
     table = out.getvalue()
-    for label in ("L=8", "L=20", "B=1", "B=3", "matmul", "GFLOP/s", "torch threads 1"):
+    for label in ("L=8", "L=20", "3x8", "B=1", "B=3", "matmul", "GFLOP/s", "torch threads 1"):
         assert label in table
     assert "decode B=3" in err.getvalue()  # the progress display
     json.dumps(summary)  # the summary is plain JSON
@@ -131,12 +140,12 @@ def test_a_peer_that_fails_to_start_is_reported_with_its_stderr(tmp_path: Path) 
 
 def test_main_ends_with_one_json_line(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--checkpoint", str(checkpoint), "--prompt-lens", "8", "--batches", "2", "--context", "16"]
-    argv += ["--repeats", "1", "--decode-steps", "1", "--threads", "1", "--no-reference"]
+    argv += ["--repeats", "1", "--decode-steps", "1", "--threads", "1", "--no-reference", "--prefill-batches", "2x8"]
     assert main([*argv, "--omp-wait-policy", "inherit"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     summary = json.loads(last)
     assert summary["bench"] == "forward" and summary["machine"]["torch_threads"] == 1
-    assert [r["hf_tok_s"] for r in summary["rows"]] == [None, None]
+    assert [r["hf_tok_s"] for r in summary["rows"]] == [None, None, None]
 
 
 def test_without_transformers_the_reference_is_an_error_naming_the_way_out(
@@ -178,3 +187,14 @@ def test_decode_contexts_are_mixed_around_the_target() -> None:
     lens = _decode_contexts(32, 128)
     assert len(set(lens)) > 8 and all(120 <= n <= 136 for n in lens)
     assert abs(sum(lens) / len(lens) - 128) < 1
+
+
+def test_prefill_batches_are_parsed_or_refused_by_name() -> None:
+    from himamba.bench.forward import parse_args
+
+    assert parse_args(["--prefill-batches", "8x256,2x16"]).prefill_batches == [(8, 256), (2, 16)]
+    assert parse_args(["--prefill-batches", ""]).prefill_batches == []
+    assert parse_args([]).prefill_batches == [(8, 256)]
+    for bad in ("8", "8x", "0x16", "ax2"):
+        with pytest.raises(SystemExit):
+            parse_args(["--prefill-batches", bad])
