@@ -495,4 +495,6 @@ def paged_attention_prefill_varlen(
     (row b of `slot_table`: its token slots, prefix then new)."""
     if uses_triton(q):
         return _twin("attention").paged_attention_prefill_varlen(q, k_cache, v_cache, slot_table, v, scale)
+    if uses_native(q) and _native_attention.supports(q, k_cache, v_cache):
+        return _native_attention.paged_attention_prefill_varlen(q, k_cache, v_cache, slot_table, v, scale)
     return _attention_by_sequence(paged_attention_prefill, q, k_cache, v_cache, slot_table, v, scale)

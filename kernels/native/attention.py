@@ -1,12 +1,16 @@
 """Attention over the paged KV pool, reading K/V rows where they lie: a batch's decode step
-(paged_attention.c) and one sequence's prefill, flash style (prefill_attention.c)."""
+(paged_attention.c) and the prefill of one sequence or of a packed batch, flash style
+(prefill_attention.c)."""
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 from torch import Tensor
 
-from ..reference.attention import check_decode_args, check_prefill_args
+from ..reference.attention import check_decode_args, check_prefill_args, check_prefill_varlen_args
+from ..varlen import Varlen
 from .build import native_build
 
 
@@ -67,4 +71,36 @@ def paged_attention_prefill(
         raise ValueError(f"seq_slots holds a slot outside the pool's {k_cache.shape[0]}")
     if status != 0:
         raise MemoryError("paged_attention_prefill: out of memory for the blocks")
+    return out
+
+
+def paged_attention_prefill_varlen(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slot_table: Tensor, v: Varlen, scale: float
+) -> Tensor:
+    """As `reference.attention.paged_attention_prefill` for each sequence of the packed batch `v`
+    (float32 CPU tensors), all in one native call; a slot outside the pool in any sequence is a
+    ValueError (nothing is written then)."""
+    check_prefill_varlen_args(q, k_cache, v_cache, slot_table, v)
+    library = native_build().library
+    assert library is not None
+    q = q.contiguous()
+    if slot_table.stride(1) != 1:  # rows may lie apart (a slice of a wider table), not their entries
+        slot_table = slot_table.contiguous()
+    tokens, q_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    if tokens == 0:
+        return out
+    # The lengths the arguments were checked against (the host tuples), in one small tensor.
+    batch = v.num_seqs
+    lengths = torch.tensor([0, *itertools.accumulate(v.new_lens), *v.prefix_lens], dtype=torch.int64)
+    cu_seqlens, prefix = lengths[: batch + 1], lengths[batch + 1 :]
+    status = library.hm_paged_attention_prefill_varlen_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_table.data_ptr(), cu_seqlens.data_ptr(),
+        prefix.data_ptr(), out.data_ptr(), batch, tokens, slot_table.shape[1], slot_table.stride(0), q_heads,
+        k_cache.shape[1], head_dim, k_cache.shape[0], scale,
+    )  # fmt: skip
+    if status == -1:
+        raise ValueError(f"slot_table holds a slot outside the pool's {k_cache.shape[0]}")
+    if status != 0:
+        raise MemoryError("paged_attention_prefill_varlen: out of memory for the blocks")
     return out

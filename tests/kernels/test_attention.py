@@ -1,11 +1,24 @@
-"""Paged attention (prefill, decode) and write_kv against a per-query float64 softmax."""
+"""Paged attention (prefill of one sequence or a packed batch, decode) and write_kv against a per-query
+float64 softmax."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 
-from himamba.kernels import paged_attention_decode, paged_attention_prefill, write_kv
+from himamba.kernels import (
+    make_varlen,
+    paged_attention_decode,
+    paged_attention_prefill,
+    paged_attention_prefill_varlen,
+    segmented,
+    write_kv,
+)
+from himamba.kernels.native import attention as native_attention
+from himamba.kernels.native.build import native_build
+from himamba.kernels.reference import attention as reference_attention
 
 # Each test runs on the PyTorch reference and on the native CPU kernel (tests/kernels/conftest.py).
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
@@ -147,3 +160,103 @@ def test_bad_input_raises_value_error() -> None:
         paged_attention_decode(q[:2], k_cache, v_cache, slots.view(2, 3), torch.tensor([0, 2]), 0.25)
     with pytest.raises(ValueError, match="k and v"):
         write_kv(k_cache, v_cache, slots[:2], torch.randn(3, 2, DH), torch.randn(3, 2, DH))
+
+
+# A packed batch: lengths that are and are not multiples of the blocks (32 query tokens, 64 context
+# rows), prefixes of 0 and more, and a sequence with no new tokens.
+NEW_LENS = (1, 31, 33, 64, 65, 0, 100)
+PREFIX_LENS = (0, 40, 0, 7, 64, 9, 0)
+
+
+def make_batch(
+    q_heads: int,
+    kv_heads: int,
+    seed: int,
+    new_lens: tuple[int, ...] = NEW_LENS,
+    prefix_lens: tuple[int, ...] = PREFIX_LENS,
+) -> tuple[torch.Tensor, ...]:
+    """q [T, Hq, Dh], a pool of 1000 slots and a slot table [B, longest + 3] scattered through it (the
+    padding columns hold valid slots, which no query may read)."""
+    g = torch.Generator().manual_seed(seed)
+    pool = 1000
+    k_cache, v_cache = torch.randn(pool, kv_heads, DH, generator=g), torch.randn(pool, kv_heads, DH, generator=g)
+    width = max(p + n for p, n in zip(prefix_lens, new_lens, strict=True)) + 3
+    table = torch.randperm(pool, generator=g)[: len(new_lens) * width].view(len(new_lens), width)
+    q = torch.randn(sum(new_lens), q_heads, DH, generator=g)
+    return q, k_cache, v_cache, table
+
+
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 2), (2, 2)])
+def test_prefill_varlen_equals_each_sequence_alone(cpu_kernels: str, q_heads: int, kv_heads: int) -> None:
+    q, k_cache, v_cache, table = make_batch(q_heads, kv_heads, seed=q_heads)
+    v = make_varlen(NEW_LENS, PREFIX_LENS, [], q.device)
+    scale = DH**-0.5
+    with torch.inference_mode():
+        out = paged_attention_prefill_varlen(q, k_cache, v_cache, table, v, scale)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    by_reference = segmented.attention_prefill_varlen(
+        reference_attention.paged_attention_prefill, q, k_cache, v_cache, table, v, scale
+    )
+    torch.testing.assert_close(out, by_reference, rtol=1e-5, atol=1e-5)
+    start = 0
+    for b, (prefix, n) in enumerate(zip(PREFIX_LENS, NEW_LENS, strict=True)):
+        keys, values = k_cache[table[b]], v_cache[table[b]]
+        for i in range(n):
+            want = naive_attend(q[start + i], keys[: prefix + i + 1], values[: prefix + i + 1], scale)
+            torch.testing.assert_close(out[start + i].double(), want, rtol=1e-5, atol=1e-5)
+        start += n
+    if cpu_kernels == "native":  # the same arithmetic per query block as the one-sequence kernel
+        alone = segmented.attention_prefill_varlen(
+            native_attention.paged_attention_prefill, q, k_cache, v_cache, table, v, scale
+        )
+        assert torch.equal(out, alone)
+
+
+def test_prefill_varlen_is_one_native_call(cpu_kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    for name in ("paged_attention_prefill", "paged_attention_prefill_varlen"):
+        real = getattr(native_attention, name)
+        monkeypatch.setattr(native_attention, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
+    q, k_cache, v_cache, table = make_batch(2, 1, seed=1)
+    paged_attention_prefill_varlen(q, k_cache, v_cache, table, make_varlen(NEW_LENS, PREFIX_LENS, [], q.device), 0.3)
+    assert calls == (["paged_attention_prefill_varlen"] if cpu_kernels == "native" else [])
+
+
+@pytest.mark.parametrize("prefix_len,new_len", [(0, 100), (37, 1), (64, 65)])
+def test_prefill_varlen_of_one_sequence_equals_the_one_sequence_kernel(prefix_len: int, new_len: int) -> None:
+    q, k_cache, v_cache, table = make_batch(8, 2, seed=new_len, new_lens=(new_len,), prefix_lens=(prefix_len,))
+    v = make_varlen((new_len,), (prefix_len,), [], q.device)
+    out = paged_attention_prefill_varlen(q, k_cache, v_cache, table, v, 0.2)
+    one = paged_attention_prefill(q, k_cache, v_cache, table[0, : prefix_len + new_len], prefix_len, 0.2)
+    assert torch.equal(out, one)
+
+
+def test_prefill_varlen_of_no_tokens_is_empty() -> None:
+    q, k_cache, v_cache, table = make_batch(4, 2, seed=2, new_lens=(0, 0), prefix_lens=(3, 0))
+    out = paged_attention_prefill_varlen(q, k_cache, v_cache, table, make_varlen((0, 0), (3, 0), [], q.device), 0.2)
+    assert out.shape == (0, 4, DH)
+
+
+@pytest.mark.parametrize("seq", [0, 3, 6])
+@pytest.mark.parametrize("bad", [-1, 1000])
+def test_native_prefill_varlen_refuses_a_slot_outside_the_pool(cpu_kernels: str, seq: int, bad: int) -> None:
+    """In any sequence, in its prefix or its new tokens: a ValueError, and nothing is written."""
+    if cpu_kernels != "native":
+        pytest.skip("the reference's indexing raises its own error")
+    q, k_cache, v_cache, table = make_batch(4, 2, seed=3)
+    table[seq, PREFIX_LENS[seq] + NEW_LENS[seq] - 1] = bad
+    v = make_varlen(NEW_LENS, PREFIX_LENS, [], q.device)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    with pytest.raises(ValueError, match="outside the pool's 1000"):
+        paged_attention_prefill_varlen(q, k_cache, v_cache, table, v, 0.2)
+    assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
+    # The kernel itself, into an `out` it must leave as it was.
+    out = torch.full_like(q, float("nan"))
+    lengths = torch.tensor([0, *itertools.accumulate(NEW_LENS), *PREFIX_LENS], dtype=torch.int64)
+    library = native_build().library
+    status = library.hm_paged_attention_prefill_varlen_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), lengths.data_ptr(),
+        lengths[len(NEW_LENS) + 1 :].data_ptr(), out.data_ptr(), len(NEW_LENS), q.shape[0], table.shape[1], table.stride(0), 4, 2, DH, 1000, 0.2,
+    )  # fmt: skip
+    assert status == -1
+    assert out.isnan().all()
