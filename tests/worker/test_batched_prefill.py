@@ -3,8 +3,9 @@ sequences give prefilled one by one (logits, KV, every state slot), and each cap
 state of a prefill of exactly that prefix: at page boundaries, one token either side, and inside scan
 chunks, including a sequence that continues a cached prefix.
 
-On the CPU path here (native kernels / references, `kernels/segmented.py`); and, for two families, on
-the CUDA path (the Triton varlen twins under TRITON_INTERPRET=1), in a subprocess that runs this
+On the CPU path here, twice: with the kernels the environment selects (the native varlen kernels where
+they take the tensors) and with the PyTorch references (`kernels/segmented.py`'s loop); and, for two
+families, on the CUDA path (the Triton varlen twins under TRITON_INTERPRET=1), in a subprocess that runs this
 module's CPU test with the environment that selects it, so this process never imports triton.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from himamba.kernels import dispatch
 from himamba.kernels.dispatch import CUDA_PATH_ENV, KERNELS_ENV
 from himamba.services.worker.forward_batch import Capture
 from himamba.services.worker.loader import load_model
@@ -34,6 +36,17 @@ LENS = [7, 23, 40]  # new tokens of this step
 # sequence 2's 16 a page boundary, 15 and 17 either side, 37 inside its last chunk.
 OFFSETS = [[3], [5, 14, 15, 16], [1, 15, 16, 17, 37]]
 TOL = {"rtol": 2e-4, "atol": 2e-4}
+
+
+@pytest.fixture(params=["default", "reference"])
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Each test with the kernels the environment selects, then with the PyTorch references."""
+    if request.param == "reference":
+        monkeypatch.setenv(KERNELS_ENV, "reference")
+    dispatch.kernels_mode.cache_clear()
+    yield request.param
+    monkeypatch.undo()
+    dispatch.kernels_mode.cache_clear()
 
 
 def _prompts() -> list[list[int]]:
@@ -56,6 +69,7 @@ def _new_tokens() -> list[list[int]]:
     return [p[-n:] for p, n in zip(_prompts(), LENS, strict=True)]
 
 
+@pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_batch_equals_its_sequences_one_by_one(arch: str, tmp_path: Path) -> None:
     model = _model(arch, tmp_path)
@@ -74,6 +88,7 @@ def test_a_batch_equals_its_sequences_one_by_one(arch: str, tmp_path: Path) -> N
         torch.testing.assert_close(got, want, **TOL)
 
 
+@pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_each_capture_is_the_state_of_exactly_that_prefix(arch: str, tmp_path: Path) -> None:
     model = _model(arch, tmp_path)
@@ -108,7 +123,7 @@ def test_the_same_on_the_cuda_path_under_the_interpreter() -> None:
             "no:cacheprovider",
             __file__,
             "-k",
-            f"not cuda_path and ({selection})",
+            f"not cuda_path and default and ({selection})",
         ],
         env=env,
         capture_output=True,
