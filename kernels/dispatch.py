@@ -34,6 +34,7 @@ from .native import conv1d as _native_conv1d
 from .native import linear as _native_linear
 from .native import moe as _native_moe
 from .native import norm as _native_norm
+from .native import selective_scan as _native_selective_scan
 from .native import ssd as _native_ssd
 from .native.build import native_build
 from .native.linear import PanelWeight
@@ -464,6 +465,8 @@ def selective_scan_varlen(
     args = (u, delta, A, B, C, D, z, delta_bias, delta_softplus, ssm_pool, state_slots, v)
     if uses_triton(u):
         return _twin("selective_scan").selective_scan_varlen(*args)
+    if uses_native(u) and _native_selective_scan.supports_varlen(u, delta, A, B, C, ssm_pool, D, z, delta_bias):
+        return _native_selective_scan.selective_scan_varlen(*args)
     return _selective_scan_by_segments(selective_scan, *args)
 
 

@@ -1,6 +1,6 @@
 """The varlen prefill ops run segment by segment: what CPU tensors run where no native varlen kernel
-takes them (the PyTorch references, Mamba1's scan, the delta rule), and the reference the native and
-Triton varlen kernels are checked against.
+takes them (the PyTorch references, the delta rule), and the reference the native and Triton varlen
+kernels are checked against.
 
 Each sequence is cut at its capture offsets; a per-segment op (`causal_conv1d`, `ssd_scan`, ...; the
 native kernel or the PyTorch reference, as `dispatch` picks) runs each piece from the state the
@@ -19,6 +19,7 @@ from torch import Tensor
 
 from .reference import attention as _attention_ref
 from .reference import conv1d as _conv_ref
+from .reference import selective_scan as _selective_scan_ref
 from .reference import ssd as _ssd_ref
 from .reference.state_rows import gather_state_rows, scatter_state_rows
 from .varlen import Varlen
@@ -147,7 +148,7 @@ def selective_scan_varlen(
     v: Varlen,
 ) -> Tensor:
     """`selective_scan_varlen` by segments of `scan` (a Mamba1 `selective_scan`)."""
-    _check_packed(u, state_slots, v)
+    _selective_scan_ref.check_varlen_args(u, delta, A, B, C, D, z, delta_bias, ssm_pool, state_slots, v)
 
     def step(start: int, end: int, carried: State | None) -> tuple[Tensor, State]:
         res = scan(

@@ -37,6 +37,40 @@ static inline v16 silu16(v16 v) { return v / (1.0f + exp16(-v)); }
 /* torch's softplus (beta 1, threshold 20). */
 static inline float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); }
 
+/* log(1 + y) for y in [0, 1], 16 at a time: Cephes' logf polynomial on 1 + y, plus the rounding of
+ * 1 + y carried as a first-order correction (so a tiny y keeps its digits). */
+static inline v16 log1p16_unit(v16 y) {
+    const v16 w = 1.0f + y;
+    const v16 lost = (y - (w - 1.0f)) / w; /* 1 + y = w (1 + lost), and log(1 + lost) ~ lost */
+    const v16i bits = (v16i)w;
+    v16 e = __builtin_convertvector(((bits >> 23) & 0xff) - 126, v16);
+    const v16 m = (v16)((bits & 0x807fffff) | 0x3f000000); /* w = m * 2^e, m in [0.5, 1) */
+    const v16i small = m < 0.707106781186547524f;
+    e -= (v16)(small & (v16i)(e - e + 1.0f));
+    const v16 x = m - 1.0f + (v16)(small & (v16i)m); /* m - 1, or 2m - 1 below sqrt(1/2) */
+    const v16 z = x * x;
+    v16 p = x - x + 7.0376836292e-2f;
+    p = p * x - 1.1514610310e-1f;
+    p = p * x + 1.1676998740e-1f;
+    p = p * x - 1.2420140846e-1f;
+    p = p * x + 1.4249322787e-1f;
+    p = p * x - 1.6668057665e-1f;
+    p = p * x + 2.0000714765e-1f;
+    p = p * x - 2.4999993993e-1f;
+    p = p * x + 3.3333331174e-1f;
+    v16 r = p * x * z + e * -2.12194440e-4f - 0.5f * z;
+    return x + r + e * 0.693359375f + lost;
+}
+
+/* torch's softplus, 16 at a time: max(v, 0) + log(1 + exp(-|v|)), and v itself above 20; within 2 ulp
+ * of torch's for v >= -87 (below, exp16's clamp gives 1.6e-38 where torch gives a denormal or 0). */
+static inline v16 softplus16(v16 v) {
+    const v16i neg = v < 0.0f, above = v > 20.0f;
+    const v16 minus_abs = (v16)(((v16i)v & neg) | ((v16i)-v & ~neg)), positive = (v16)((v16i)v & ~neg);
+    const v16 soft = positive + log1p16_unit(exp16(minus_abs));
+    return (v16)((above & (v16i)v) | (~above & (v16i)soft));
+}
+
 static inline float exp1(float x) {
     v16 v = {0};
     v[0] = x;

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..varlen import Varlen
 from .ssd import ScanResult
 from .state_rows import check_state_indices, update_rows_at
 
@@ -151,6 +152,38 @@ def selective_scan(
     if z is not None:
         y = y * F.silu(z.float())
     return ScanResult(y.to(u.dtype), state.to(state_dtype))
+
+
+def check_varlen_args(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    z: Tensor | None,
+    delta_bias: Tensor | None,
+    ssm_pool: Tensor,
+    state_slots: Tensor,
+    v: Varlen,
+) -> int:
+    """Raise ValueError unless the arguments of a varlen scan (u, delta, z [T, D] packed as `v` says;
+    B, C [T, N]; the pool [slots, D, N]; one slot per sequence) fit together; return N."""
+    if u.dim() != 2 or u.shape[0] != v.num_tokens:
+        raise ValueError(f"u must be [T={v.num_tokens}, D], got {tuple(u.shape)}")
+    total, channels = u.shape
+    for name, t in (("delta", delta), ("z", z)):
+        if t is not None and t.shape != u.shape:
+            raise ValueError(f"{name} must have u's shape {tuple(u.shape)}, got {tuple(t.shape)}")
+    state_size = _check_params(channels, A, D, delta_bias, "delta_bias")
+    for name, t in (("B", B), ("C", C)):
+        if tuple(t.shape) != (total, state_size):
+            raise ValueError(f"{name} must be [T={total}, N={state_size}], got {tuple(t.shape)}")
+    if ssm_pool.dim() != 3 or tuple(ssm_pool.shape[1:]) != (channels, state_size):
+        raise ValueError(f"ssm_pool must be [slots, D={channels}, N={state_size}], got {tuple(ssm_pool.shape)}")
+    if state_slots.dim() != 1 or state_slots.shape[0] != v.num_seqs:
+        raise ValueError(f"state_slots must be [{v.num_seqs}], got {tuple(state_slots.shape)}")
+    return state_size
 
 
 def check_update_args(
