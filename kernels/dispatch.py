@@ -399,8 +399,8 @@ def scatter_state_rows(pool: Tensor, slots: Tensor, rows: Tensor) -> None:
 
 
 # Varlen prefill: one call for every sequence of a step (see `varlen`). The Triton twins run it in one
-# launch, the native CPU kernels in one parallel region; otherwise (the references, Mamba1's scan and the
-# delta rule on CPU) `segmented` runs the per-segment ops above.
+# launch, the native CPU kernels in one parallel region; otherwise (the references, and the delta rule on
+# CPU) `segmented` runs the per-segment ops above.
 
 
 def causal_conv1d_varlen(
