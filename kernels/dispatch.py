@@ -31,6 +31,7 @@ from torch import Tensor
 from .code_path import CUDA_PATH_ENV, KERNEL_CHOICES, KERNELS_ENV, cuda_path, kernels_mode  # noqa: F401
 from .native import attention as _native_attention
 from .native import conv1d as _native_conv1d
+from .native import delta_rule as _native_delta_rule
 from .native import linear as _native_linear
 from .native import moe as _native_moe
 from .native import norm as _native_norm
@@ -485,6 +486,8 @@ def chunk_gated_delta_rule_varlen(
     args = (q, k, val, g, beta, chunk_size, state_pool, state_slots, v, use_qk_l2norm, scale)
     if uses_triton(q):
         return _twin("delta_rule").chunk_gated_delta_rule_varlen(*args)
+    if uses_native(q) and _native_delta_rule.supports_varlen(q, k, val, g, beta, state_pool):
+        return _native_delta_rule.gated_delta_rule_varlen(*args)
     return _delta_rule_by_segments(chunk_gated_delta_rule, *args)
 
 
