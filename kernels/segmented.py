@@ -1,5 +1,5 @@
 """The varlen prefill ops run segment by segment: what CPU tensors run where no native varlen kernel
-takes them (the PyTorch references, Mamba1's scan, the delta rule), and the reference the native and
+takes them (the PyTorch references, non-float32 tensors, Mamba1's scan), and the reference the native and
 Triton varlen kernels are checked against.
 
 Each sequence is cut at its capture offsets; a per-segment op (`causal_conv1d`, `ssd_scan`, ...; the
