@@ -31,6 +31,7 @@ from torch import Tensor
 from .code_path import CUDA_PATH_ENV, KERNEL_CHOICES, KERNELS_ENV, cuda_path, kernels_mode  # noqa: F401
 from .native import attention as _native_attention
 from .native import conv1d as _native_conv1d
+from .native import delta_rule as _native_delta_rule
 from .native import linear as _native_linear
 from .native import moe as _native_moe
 from .native import norm as _native_norm
@@ -399,8 +400,8 @@ def scatter_state_rows(pool: Tensor, slots: Tensor, rows: Tensor) -> None:
 
 
 # Varlen prefill: one call for every sequence of a step (see `varlen`). The Triton twins run it in one
-# launch, the native CPU kernels in one parallel region; otherwise (the references, and the delta rule on
-# CPU) `segmented` runs the per-segment ops above.
+# launch, the native CPU kernels in one parallel region; otherwise (the PyTorch references: other dtypes,
+# HIMAMBA_KERNELS=reference) `segmented` runs the per-segment ops above.
 
 
 def causal_conv1d_varlen(
@@ -488,6 +489,8 @@ def chunk_gated_delta_rule_varlen(
     args = (q, k, val, g, beta, chunk_size, state_pool, state_slots, v, use_qk_l2norm, scale)
     if uses_triton(q):
         return _twin("delta_rule").chunk_gated_delta_rule_varlen(*args)
+    if uses_native(q) and _native_delta_rule.supports_varlen(q, k, val, g, beta, state_pool):
+        return _native_delta_rule.gated_delta_rule_varlen(*args)
     return _delta_rule_by_segments(chunk_gated_delta_rule, *args)
 
 

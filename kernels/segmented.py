@@ -1,6 +1,6 @@
 """The varlen prefill ops run segment by segment: what CPU tensors run where no native varlen kernel
-takes them (the PyTorch references, the delta rule), and the reference the native and Triton varlen
-kernels are checked against.
+takes them (the PyTorch references: tensors other than float32, HIMAMBA_KERNELS=reference), and the
+reference the native and Triton varlen kernels are checked against.
 
 Each sequence is cut at its capture offsets; a per-segment op (`causal_conv1d`, `ssd_scan`, ...; the
 native kernel or the PyTorch reference, as `dispatch` picks) runs each piece from the state the
