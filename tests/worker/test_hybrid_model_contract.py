@@ -8,6 +8,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from himamba.kernels import dispatch
+from himamba.services.modelgen.checkpoint import ARCHS as ALL_ARCHS
 from himamba.services.modelgen.checkpoint import make_checkpoint
 from himamba.services.worker.forward_batch import Capture, ForwardBatch
 from himamba.services.worker.loader import load_model
@@ -29,6 +31,22 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 def test_cache_behaviour(models: dict, arch: str, check: Callable[[HybridModel], None]) -> None:
     """Batching, prefix continuation, state captures, restoring a captured state (device and host tier)."""
     check(models[arch])
+
+
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_captures_on_the_reference_path(
+    arch: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each family's captures equal prefills of exactly that prefix with the PyTorch references (the
+    segment loop) too; the parity suites check them on the native varlen kernels."""
+    model = load_model(make_checkpoint(arch, tmp_path_factory.mktemp(arch), preset="tiny", seed=7))
+    monkeypatch.setenv(dispatch.KERNELS_ENV, "reference")
+    dispatch.kernels_mode.cache_clear()
+    try:
+        checks.assert_captures_equal_prefix_prefills(model)
+    finally:
+        monkeypatch.undo()
+        dispatch.kernels_mode.cache_clear()
 
 
 def _one_token_prefill(harness: Harness) -> ForwardBatch:
@@ -96,4 +114,3 @@ def test_the_vocabulary_head_runs_on_the_batchs_head_threads(models: dict, monke
     assert {t for kind, t in seen if kind == "layer"} == {1}
     assert [t for kind, t in seen if kind == "head"] == [2]
     torch.testing.assert_close(wide, plain, rtol=1e-6, atol=1e-6)
-
