@@ -4,13 +4,11 @@
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 from torch import Tensor
 
 from ..reference.attention import check_decode_args, check_prefill_args, check_prefill_varlen_args
-from ..varlen import Varlen
+from ..varlen import Varlen, host_index
 from .build import native_build
 
 
@@ -90,13 +88,10 @@ def paged_attention_prefill_varlen(
     out = torch.empty_like(q)
     if tokens == 0:
         return out
-    # The lengths the arguments were checked against (the host tuples), in one small tensor.
-    batch = v.num_seqs
-    lengths = torch.tensor([0, *itertools.accumulate(v.new_lens), *v.prefix_lens], dtype=torch.int64)
-    cu_seqlens, prefix = lengths[: batch + 1], lengths[batch + 1 :]
+    batch, index = v.num_seqs, host_index(v)  # the lengths the arguments were checked against, on the host
     status = library.hm_paged_attention_prefill_varlen_f32(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_table.data_ptr(), cu_seqlens.data_ptr(),
-        prefix.data_ptr(), out.data_ptr(), batch, tokens, slot_table.shape[1], slot_table.stride(0), q_heads,
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_table.data_ptr(), index.cu_seqlens.data_ptr(),
+        index.prefix.data_ptr(), out.data_ptr(), batch, tokens, slot_table.shape[1], slot_table.stride(0), q_heads,
         k_cache.shape[1], head_dim, k_cache.shape[0], scale,
     )  # fmt: skip
     if status == -1:

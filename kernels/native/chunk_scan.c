@@ -189,16 +189,26 @@ static int64_t run_scan(Scan *s) {
     int64_t failed = s->bt == NULL || s->cb == NULL;
     if (!failed) {
         const int64_t batch = s->batch, heads = s->heads, groups = s->groups;
-#pragma omp parallel reduction(| : failed)
+#pragma omp parallel
         {
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < chunks * groups; i++) pair_products(s, i / groups, i % groups);
             Work w = {0};
             const int ok = work_alloc(&w, s) == 0;
-            failed |= !ok;
+            if (!ok) {
+#pragma omp atomic write
+                failed = 1;
+            }
+            /* Every thread has its buffers, or none scans: a varlen scan writes the pool in place, and a
+             * half-run scan would leave some of its states advanced. */
+#pragma omp barrier
+            int64_t any_failed;
+#pragma omp atomic read
+            any_failed = failed;
+            if (!any_failed) {
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < batch * heads; i++)
-                if (ok) scan_head(s, i / heads, i % heads, &w);
+                for (int64_t i = 0; i < batch * heads; i++) scan_head(s, i / heads, i % heads, &w);
+            }
             if (ok) work_free(&w);
         }
     }

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from ..reference.conv1d import ConvResult, check_args, check_update_args, check_varlen_args
-from ..varlen import Varlen
+from ..varlen import Varlen, host_index, host_slots
 from .build import native_build
 
 
@@ -52,6 +52,7 @@ def supports_varlen(x: Tensor, weight: Tensor, bias: Tensor | None, conv_pool: T
     tensors = (x, weight, conv_pool) if bias is None else (x, weight, bias, conv_pool)
     return (
         all(t.dtype == torch.float32 for t in tensors)
+        and x.dim() == 2
         and (x.stride(1) == 1 or x.shape[1] == 1)
         and conv_pool.is_contiguous()
     )
@@ -74,13 +75,13 @@ def causal_conv1d_varlen(
     assert library is not None
     total, channels = x.shape
     out = x.new_empty(total, channels)
-    slots = state_slots.to(torch.int64).contiguous()
+    slots, index = host_slots(state_slots, v), host_index(v)  # exactly what was checked, on the host
     weight = weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     status = library.hm_conv_varlen_f32(
         x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(), conv_pool.data_ptr(),
-        conv_pool.shape[0], slots.data_ptr(), v.prefix.data_ptr(), v.cu_seqlens.data_ptr(), v.cu_captures.data_ptr(),
-        v.capture_offsets.data_ptr(), v.capture_slots.data_ptr(), int(activation == "silu"), out.data_ptr(),
+        conv_pool.shape[0], slots.data_ptr(), index.prefix.data_ptr(), index.cu_seqlens.data_ptr(), index.cu_captures.data_ptr(),
+        index.capture_offsets.data_ptr(), index.capture_slots.data_ptr(), int(activation == "silu"), out.data_ptr(),
         v.num_seqs, channels, width,
     )  # fmt: skip
     if status == -1:

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from ..reference.delta_rule import _check_layout
-from ..varlen import Varlen
+from ..varlen import Varlen, host_index, host_slots
 from .build import native_build
 from .ssd import _inner_contiguous
 
@@ -60,12 +60,12 @@ def gated_delta_rule_varlen(
     out = q.new_empty(total, v_heads, v_dim)
     q, k, val = (t if _inner_contiguous(t, 2) else t.contiguous() for t in (q, k, val))
     g, beta = (t if _inner_contiguous(t, 1) else t.contiguous() for t in (g, beta))
-    slots = state_slots.to(torch.int64).contiguous()
+    slots, index = host_slots(state_slots, v), host_index(v)  # exactly what was checked, on the host
     status = library.hm_gated_delta_rule_varlen_f32(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), val.data_ptr(), val.stride(0), g.data_ptr(),
         g.stride(0), beta.data_ptr(), beta.stride(0), int(use_qk_l2norm), k_dim**-0.5 if scale is None else scale,
-        state_pool.data_ptr(), state_pool.shape[0], slots.data_ptr(), v.prefix.data_ptr(), v.cu_seqlens.data_ptr(),
-        v.cu_captures.data_ptr(), v.capture_offsets.data_ptr(), v.capture_slots.data_ptr(), out.data_ptr(),
+        state_pool.data_ptr(), state_pool.shape[0], slots.data_ptr(), index.prefix.data_ptr(), index.cu_seqlens.data_ptr(),
+        index.cu_captures.data_ptr(), index.capture_offsets.data_ptr(), index.capture_slots.data_ptr(), out.data_ptr(),
         v.num_seqs, k_heads, v_heads, k_dim, v_dim,
     )  # fmt: skip
     if status == -1:

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from ..reference.selective_scan import check_varlen_args
-from ..varlen import Varlen
+from ..varlen import Varlen, host_index, host_slots
 from .build import native_build
 
 
@@ -56,13 +56,13 @@ def selective_scan_varlen(
         None if D is None else D.contiguous(),
         None if delta_bias is None else delta_bias.contiguous(),
     )
-    slots = state_slots.to(torch.int64).contiguous()
+    slots, index = host_slots(state_slots, v), host_index(v)  # exactly what was checked, on the host
     status = library.hm_selective_scan_varlen_f32(
         u.data_ptr(), u.stride(0), delta.data_ptr(), delta.stride(0), A.data_ptr(), B.data_ptr(), C.data_ptr(),
         B.stride(0), None if D is None else D.data_ptr(), None if delta_bias is None else delta_bias.data_ptr(),
         int(delta_softplus), None if z is None else z.data_ptr(), 0 if z is None else z.stride(0),
-        ssm_pool.data_ptr(), ssm_pool.shape[0], slots.data_ptr(), v.prefix.data_ptr(), v.cu_seqlens.data_ptr(),
-        v.cu_captures.data_ptr(), v.capture_offsets.data_ptr(), v.capture_slots.data_ptr(), y.data_ptr(),
+        ssm_pool.data_ptr(), ssm_pool.shape[0], slots.data_ptr(), index.prefix.data_ptr(), index.cu_seqlens.data_ptr(),
+        index.cu_captures.data_ptr(), index.capture_offsets.data_ptr(), index.capture_slots.data_ptr(), y.data_ptr(),
         v.num_seqs, channels, state_size,
     )  # fmt: skip
     if status == -1:

@@ -17,7 +17,7 @@ from ..reference.ssd import (
     chunk_length,
     max_chunk_length,
 )
-from ..varlen import Varlen
+from ..varlen import Varlen, host_index, host_slots
 from .build import native_build
 
 
@@ -135,14 +135,14 @@ def ssd_scan_varlen(
         None if D is None else D.contiguous(),
         None if dt_bias is None else dt_bias.contiguous(),
     )
-    slots = state_slots.to(torch.int64).contiguous()
+    slots, index = host_slots(state_slots, v), host_index(v)  # exactly what was checked, on the host
     low, high = dt_limit
     status = library.hm_ssd_scan_varlen_f32(
         x.data_ptr(), x.stride(0), dt.data_ptr(), dt.stride(0), A.data_ptr(), B.data_ptr(), C.data_ptr(),
         B.stride(0), None if D is None else D.data_ptr(), None if dt_bias is None else dt_bias.data_ptr(),
         int(dt_softplus), low, high, _clamps(dt_limit), ssm_pool.data_ptr(), ssm_pool.shape[0], slots.data_ptr(),
-        v.prefix.data_ptr(), v.cu_seqlens.data_ptr(), v.cu_captures.data_ptr(), v.capture_offsets.data_ptr(),
-        v.capture_slots.data_ptr(), y.data_ptr(), v.num_seqs, heads, head_dim, groups, state_size,
+        index.prefix.data_ptr(), index.cu_seqlens.data_ptr(), index.cu_captures.data_ptr(), index.capture_offsets.data_ptr(),
+        index.capture_slots.data_ptr(), y.data_ptr(), v.num_seqs, heads, head_dim, groups, state_size,
         max_chunk_length(chunk_size, x.device),
     )  # fmt: skip
     if status == -1:

@@ -149,3 +149,75 @@ def test_scan_writes_nothing_when_a_slot_is_outside_the_pool() -> None:
     with pytest.raises(ValueError, match="outside the pool's 40 slots"):
         native_ssd.ssd_scan_varlen(x, dt, A, B, C, 128, D, dt_bias, True, (0.0, math.inf), pool, bad, v)
     assert torch.equal(pool, kept)
+
+
+def test_negative_lengths_are_refused_by_the_layout() -> None:
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        make_varlen([-3000, 3000], [0, 0], [], torch.device("cpu"))
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        make_varlen([4], [-1], [], torch.device("cpu"))
+
+
+def _all_native_ops(v: Varlen, slots: torch.Tensor):
+    """Each native varlen op on `v`'s tokens (sizes small), as zero-argument calls."""
+    from himamba.kernels.native import attention as native_attention
+    from himamba.kernels.native import delta_rule as native_delta_rule
+    from himamba.kernels.native import selective_scan as native_selective_scan
+
+    t, gen = v.num_tokens, torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=gen)
+    u = lambda *shape: torch.rand(*shape, generator=gen)
+    pool = lambda *row: torch.zeros(SLOTS, *row)
+    table = torch.arange(v.num_seqs * 64).view(v.num_seqs, 64)
+    return {
+        "conv": lambda: native_conv1d.causal_conv1d_varlen(r(t, 8), r(8, 4), None, pool(8, 3), slots, v, "silu"),
+        "ssd": lambda: native_ssd.ssd_scan_varlen(
+            r(t, 2, 4),
+            r(t, 2),
+            -u(2),
+            r(t, 1, 4),
+            r(t, 1, 4),
+            32,
+            None,
+            None,
+            True,
+            (0.0, math.inf),
+            pool(2, 4, 4),
+            slots,
+            v,
+        ),
+        "selective_scan": lambda: native_selective_scan.selective_scan_varlen(
+            r(t, 8), r(t, 8), -u(8, 4), r(t, 4), r(t, 4), None, None, None, True, pool(8, 4), slots, v
+        ),
+        "delta_rule": lambda: native_delta_rule.gated_delta_rule_varlen(
+            r(t, 1, 4), r(t, 1, 4), r(t, 2, 4), -u(t, 2), u(t, 2), 64, pool(2, 4, 4), slots, v
+        ),
+        "attention": lambda: native_attention.paged_attention_prefill_varlen(
+            r(t, 2, 4), r(SLOTS * 64, 1, 4), r(SLOTS * 64, 1, 4), table, v, 0.5
+        ),
+    }
+
+
+@pytest.mark.parametrize("op", ["conv", "ssd", "selective_scan", "delta_rule", "attention"])
+def test_the_kernels_read_the_checked_host_lengths_not_the_layouts_tensors(op: str) -> None:
+    """A layout whose tensors disagree with its host tuples (or live on another device) cannot steer the
+    C: it reads index arrays rebuilt from the tuples the arguments were checked against."""
+    honest = make_varlen([4, 6], [0, 3], [[(2, 5)], []], torch.device("cpu"))
+    slots = torch.tensor([0, 1])
+    want = _all_native_ops(honest, slots)[op]()
+    lying = make_varlen([400_000, 6], [0, 3], [[(2, 5)], []], torch.device("cpu"))._replace(new_lens=(4, 6))
+    torch.testing.assert_close(_all_native_ops(lying, slots)[op](), want)
+    elsewhere = make_varlen([4, 6], [0, 3], [[(2, 5)], []], torch.device("meta"))
+    torch.testing.assert_close(_all_native_ops(elsewhere, slots)[op](), want)
+
+
+@pytest.mark.parametrize("op", ["conv", "ssd", "selective_scan", "delta_rule"])
+def test_slots_must_be_int64_on_the_cpu(op: str) -> None:
+    v = make_varlen([4, 6], [0, 3], [[(2, 5)], []], torch.device("cpu"))
+    for slots in (
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([0.0, 1.0]),
+        torch.tensor([0, 1], device="meta"),
+    ):
+        with pytest.raises(ValueError, match="state_slots must be a \\[2\\] int64 CPU tensor"):
+            _all_native_ops(v, slots)[op]()
