@@ -571,7 +571,7 @@ def run(opts: Options, out: TextIO, err: TextIO) -> dict[str, Any]:
     model = load_model(ckpt, device="cpu", dtype=dtype)
     cost = model_cost(model)
     cfg = json.loads((ckpt / "config.json").read_text())
-    max_batch = max(opts.batches + [n for n, _ in opts.prefill_batches])
+    max_batch = max(opts.batches)
     # A prefill batch's pages: each prompt rounds up to whole pages.
     batched_tokens = max([n * (length + opts.page_size) for n, length in opts.prefill_batches], default=0)
     decode_tokens = max_batch * (opts.context + opts.context // 16 + opts.decode_steps + 8)
@@ -583,7 +583,7 @@ def run(opts: Options, out: TextIO, err: TextIO) -> dict[str, Any]:
         model,
         opts.page_size,
         max_tokens=max(max(opts.prompt_lens), batched_tokens, decode_tokens, gen_tokens),
-        max_seqs=max(max_batch, max(opts.gen_batches)) + 1,
+        max_seqs=max([max_batch, max(opts.gen_batches)] + [n for n, _ in opts.prefill_batches]) + 1,
         seed=opts.seed,
         threads=StepThreads(opts.threads) if opts.adaptive_threads else None,
     )
