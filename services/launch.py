@@ -43,6 +43,10 @@ ENV_TP_INIT = "HIMAMBA_TP_INIT"
 # What a service may take to stop once asked, beyond the front door's drain: closing sockets and
 # exiting the interpreter (torch's teardown alone takes 1-3 s on a loaded machine).
 SERVICE_STOP_S = 15.0
+# How long a fatal error waits for a child's death to show before it is taken as the cause: a killed
+# worker rank's sockets close (and rank 0's collective fails, and reports) before the kernel reports the
+# rank's exit, later still when the machine is busy.
+CAUSE_GRACE_S = 2.0
 
 
 class Child(NamedTuple):
@@ -131,8 +135,14 @@ class Launcher:
             self.log.warning("bad control message: %s", e)
             return None
 
-    def _dead_child(self) -> Child | None:
-        return next((c for c in self.children if c.proc.poll() is not None), None)
+    def _dead_child(self, wait_s: float = 0.0) -> Child | None:
+        """A child that has exited, looking again for up to `wait_s` seconds; None if none has."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = next((c for c in self.children if c.proc.poll() is not None), None)
+            if dead is not None or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.02)
 
     def _wait_ready(self) -> int | None:
         """None when every service is ready; an exit code when startup failed or was stopped."""
@@ -143,7 +153,12 @@ class Launcher:
                 return 0
             dead = self._dead_child()
             if dead is not None:
-                self.log.error("service %s (pid %d) exited with code %s during startup", dead.name, dead.proc.pid, dead.proc.returncode)
+                self.log.error(
+                    "service %s (pid %d) exited with code %s during startup",
+                    dead.name,
+                    dead.proc.pid,
+                    dead.proc.returncode,
+                )
                 return 1
             msg = self._poll_control(100)
             if isinstance(msg, Ready):
@@ -164,7 +179,10 @@ class Launcher:
         print(f'  try: himamba generate "def fibonacci(n):" {find}', flush=True)
         http = self.cfg.http
         if http.port:
-            print(f"  OpenAI-compatible API at http://{http.host}:{http.port}/v1 (metrics at /metrics, health at /health)", flush=True)
+            print(
+                f"  OpenAI-compatible API at http://{http.host}:{http.port}/v1 (metrics at /metrics, health at /health)",
+                flush=True,
+            )
         print(f"  {storage_line(self.cfg)}", flush=True)
 
     def _supervise(self) -> int:
@@ -184,7 +202,7 @@ class Launcher:
             msg = self._poll_control(100)
             if isinstance(msg, Fatal):
                 # A service that died first is the cause (a worker rank: rank 0's next collective fails).
-                dead = self._dead_child()
+                dead = self._dead_child(wait_s=CAUSE_GRACE_S)
                 if dead is not None:
                     self.log.error(
                         "service %s (pid %d) died with exit code %s; stopping the server",
