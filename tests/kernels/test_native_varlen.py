@@ -3,17 +3,20 @@ the pool) against `segmented`'s loop over the per-segment references: the conv a
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 
 from himamba.kernels import segmented
+from himamba.kernels.native import attention as native_attention
 from himamba.kernels.native import build
 from himamba.kernels.native import conv1d as native_conv1d
 from himamba.kernels.native import ssd as native_ssd
 from himamba.kernels.reference import conv1d, ssd
 from himamba.kernels.varlen import Varlen, make_varlen
+from tests.kernels.test_attention import DH, NEW_LENS, PREFIX_LENS, make_batch
 
 pytestmark = pytest.mark.skipif(
     build.native_build().library is None, reason=f"native kernels {build.native_build().detail}"
@@ -221,3 +224,26 @@ def test_slots_must_be_int64_on_the_cpu(op: str) -> None:
     ):
         with pytest.raises(ValueError, match="state_slots must be a \\[2\\] int64 CPU tensor"):
             _all_native_ops(v, slots)[op]()
+
+
+@pytest.mark.parametrize("seq", [0, 3, 6])
+@pytest.mark.parametrize("bad", [-1, 1000])
+def test_prefill_attention_refuses_a_slot_outside_the_pool(seq: int, bad: int) -> None:
+    """In any sequence, in its prefix or its new tokens: a ValueError, and nothing is written."""
+    q, k_cache, v_cache, table = make_batch(4, 2, seed=3)
+    table[seq, PREFIX_LENS[seq] + NEW_LENS[seq] - 1] = bad
+    v = make_varlen(NEW_LENS, PREFIX_LENS, [], q.device)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    with pytest.raises(ValueError, match="outside the pool's 1000"):
+        native_attention.paged_attention_prefill_varlen(q, k_cache, v_cache, table, v, 0.2)
+    assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
+    # The kernel itself, into an `out` it must leave as it was.
+    out = torch.full_like(q, float("nan"))
+    lengths = torch.tensor([0, *itertools.accumulate(NEW_LENS), *PREFIX_LENS], dtype=torch.int64)
+    library = build.native_build().library
+    status = library.hm_paged_attention_prefill_varlen_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), lengths.data_ptr(),
+        lengths[len(NEW_LENS) + 1 :].data_ptr(), out.data_ptr(), len(NEW_LENS), q.shape[0], table.shape[1], table.stride(0), 4, 2, DH, 1000, 0.2,
+    )  # fmt: skip
+    assert status == -1
+    assert out.isnan().all()
