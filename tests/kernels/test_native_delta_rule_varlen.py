@@ -10,13 +10,13 @@ from himamba.kernels import dispatch, segmented
 from himamba.kernels.native import build
 from himamba.kernels.native import delta_rule as native_delta_rule
 from himamba.kernels.reference import delta_rule
-from himamba.kernels.varlen import Varlen, make_varlen
+from himamba.kernels.varlen import make_varlen
+from tests.kernels.varlen_batch import SLOTS, layout, named_slots
 
 pytestmark = pytest.mark.skipif(
     build.native_build().library is None, reason=f"native kernels {build.native_build().detail}"
 )
 
-SLOTS = 40
 CHUNK = 16
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 # (new tokens, prefix, capture offsets) per sequence: a fresh sequence shorter than a chunk; one continuing
@@ -31,18 +31,9 @@ BATCH = [
 ]
 
 
-def _layout() -> tuple[Varlen, torch.Tensor]:
-    """The batch's layout and its sequences' slots (scattered), with distinct capture slots."""
-    free = iter(torch.randperm(SLOTS, generator=torch.Generator().manual_seed(1)).tolist())
-    state_slots = torch.tensor([next(free) for _ in BATCH])
-    captures = [[(o, next(free)) for o in offs] for _, _, offs in BATCH]
-    v = make_varlen([n for n, _, _ in BATCH], [p for _, p, _ in BATCH], captures, torch.device("cpu"))
-    return v, state_slots
-
-
 def _inputs(k_heads: int, v_heads: int, k_dim: int, v_dim: int):
     gen = torch.Generator().manual_seed(k_heads * 1000 + v_heads * 100 + k_dim + v_dim)
-    v, slots = _layout()
+    v, slots = layout(BATCH)
     t = v.num_tokens
     # q, k and v as views into the rows of one conv output, as the layer hands them over.
     qk = k_heads * k_dim
@@ -79,7 +70,7 @@ def test_equals_the_segment_loop_of_the_reference(k_heads, v_heads, k_dim, v_dim
     torch.testing.assert_close(got, want, **TOL)
     # Every slot named (captures and finals) holds what the loop wrote; every other slot is as it was.
     torch.testing.assert_close(pool, want_pool, **TOL)
-    named = set(slots.tolist()) | {s for caps in v.captures for _, s in caps}
+    named = named_slots(v, slots)
     others = [s for s in range(SLOTS) if s not in named]
     assert others and torch.equal(pool[others], before[others])
 

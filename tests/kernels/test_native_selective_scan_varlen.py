@@ -11,13 +11,13 @@ from himamba.kernels import dispatch, segmented
 from himamba.kernels.native import build
 from himamba.kernels.native import selective_scan as native
 from himamba.kernels.reference import selective_scan as reference
-from himamba.kernels.varlen import Varlen, make_varlen
+from himamba.kernels.varlen import make_varlen
+from tests.kernels.varlen_batch import SLOTS, layout, named_slots
 
 pytestmark = pytest.mark.skipif(
     build.native_build().library is None, reason=f"native kernels {build.native_build().detail}"
 )
 
-SLOTS = 40
 # (new tokens, prefix, capture offsets) per sequence: a fresh short one; one continuing a prefix with
 # captures at 5, in the middle and at its end; one with a capture at token 1 and two slots at one
 # offset; one capture-free and long enough for the reference's chunked form; one token.
@@ -30,24 +30,11 @@ BATCH = [
 ]
 
 
-def _layout() -> tuple[Varlen, torch.Tensor]:
-    """The batch's layout and its sequences' slots (scattered), with distinct capture slots."""
-    free = iter(torch.randperm(SLOTS, generator=torch.Generator().manual_seed(1)).tolist())
-    state_slots = torch.tensor([next(free) for _ in BATCH])
-    captures = [[(o, next(free)) for o in offs] for _, _, offs in BATCH]
-    v = make_varlen([n for n, _, _ in BATCH], [p for _, p, _ in BATCH], captures, torch.device("cpu"))
-    return v, state_slots
-
-
-def _named_slots(v: Varlen, state_slots: torch.Tensor) -> set[int]:
-    return set(state_slots.tolist()) | {s for c in v.captures for _, s in c}
-
-
 def _inputs(channels: int, n: int, softplus: bool):
     """u and z as column blocks of one projection's rows, B and C of another's (as the layer hands
     them over: token strides wider than their rows); delta positive when it is not softplus'd."""
     gen = torch.Generator().manual_seed(channels * 100 + n)
-    v, slots = _layout()
+    v, slots = layout(BATCH)
     t = v.num_tokens
     in_proj = torch.randn(t, 2 * channels + 3, generator=gen)
     u, z = in_proj[:, :channels], in_proj[:, channels + 3 :]
@@ -82,7 +69,7 @@ def test_native_equals_the_segment_loop_of_the_reference(channels, n, skip, gate
     torch.testing.assert_close(got / scale, want / scale, rtol=0, atol=1e-5)
     torch.testing.assert_close(pool, want_pool, rtol=1e-4, atol=1e-5)
     # Slots the batch does not name are exactly as they were.
-    others = [s for s in range(SLOTS) if s not in _named_slots(v, slots)]
+    others = [s for s in range(SLOTS) if s not in named_slots(v, slots)]
     assert others and torch.equal(pool[others], kept[others])
 
 

@@ -17,12 +17,12 @@ from himamba.kernels.native import ssd as native_ssd
 from himamba.kernels.reference import conv1d, ssd
 from himamba.kernels.varlen import Varlen, make_varlen
 from tests.kernels.test_attention import DH, NEW_LENS, PREFIX_LENS, make_batch
+from tests.kernels.varlen_batch import SLOTS, layout
 
 pytestmark = pytest.mark.skipif(
     build.native_build().library is None, reason=f"native kernels {build.native_build().detail}"
 )
 
-SLOTS = 40
 # (new tokens, prefix, capture offsets) per sequence: a fresh sequence shorter than the conv window and
 # than a chunk; one continuing a prefix with captures on both sides of a chunk boundary (32 on CPU) and
 # at its end; one with two slots at one offset and a capture at token 1; one capture-free; one token.
@@ -35,18 +35,9 @@ BATCH = [
 ]
 
 
-def _layout() -> tuple[Varlen, torch.Tensor]:
-    """The batch's layout, its sequences' slots (scattered), and distinct capture slots."""
-    free = iter(torch.randperm(SLOTS, generator=torch.Generator().manual_seed(1)).tolist())
-    state_slots = torch.tensor([next(free) for _ in BATCH])
-    captures = [[(o, next(free)) for o in offs] for _, _, offs in BATCH]
-    v = make_varlen([n for n, _, _ in BATCH], [p for _, p, _ in BATCH], captures, torch.device("cpu"))
-    return v, state_slots
-
-
 def _conv_inputs(channels: int, width: int, bias: bool):
     gen = torch.Generator().manual_seed(channels * 10 + width)
-    v, slots = _layout()
+    v, slots = layout(BATCH)
     # x as a column block of a wider projection's rows (token stride > channels).
     x = torch.randn(v.num_tokens, channels + 5, generator=gen)[:, 2 : 2 + channels]
     weight = torch.randn(channels, width, generator=gen)
@@ -86,7 +77,7 @@ def test_conv_writes_nothing_when_a_slot_is_outside_the_pool() -> None:
 
 def _scan_inputs(heads: int, head_dim: int, groups: int, n: int):
     gen = torch.Generator().manual_seed(heads * 100 + n)
-    v, slots = _layout()
+    v, slots = layout(BATCH)
     t = v.num_tokens
     # x, B and C as views into the rows of one projection, as the layer hands them over.
     gn = groups * n
