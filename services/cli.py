@@ -244,6 +244,7 @@ def _bench(argv: list[str]) -> int:
         "structured": "himamba.bench.structured",
         "serve-overhead": "himamba.bench.serve_overhead",
         "launches": "himamba.bench.launches",
+        "prefill-ab": "himamba.bench.prefill_ab",
     }
     if not argv or argv[0] not in benches:
         print(f"usage: himamba bench {{{','.join(benches)}}} [options]", file=sys.stderr)

@@ -31,6 +31,8 @@ FLAGS = {
     "serve-overhead": "--arch --batches --checkpoint --new-tokens --no-reference --omp-spin --out --peer --peer-python "
     "--preset --prompt-len --reference --runs --seed --threads",
     "launches": "--arch --batch --experts --out --prefill-seqs",
+    "prefill-ab": "--against --arch --out --prefill-batches --preset --prompt-lens --quiet-wait --repeats --rounds "
+    "--threads",
 }
 
 
