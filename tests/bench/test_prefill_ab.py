@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from himamba.bench import forward, prefill_ab
 from himamba.services.worker import heap_reuse
@@ -85,8 +86,9 @@ class _NoCaptures:
 
 def test_a_build_without_captures_times_the_rest(tmp_path, monkeypatch):
     monkeypatch.setattr(forward, "OurEngine", _NoCaptures)
-    # Not glibc's thresholds for the rest of this test process.
+    # Neither glibc's thresholds nor a thread count for the rest of this test process.
     monkeypatch.setattr(heap_reuse, "reuse_heap", lambda: heap_reuse.HeapReuse(False, "off (test)"))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     out = tmp_path / "child.json"
     prefill_ab.main(["--child", "nemotron_h", "tiny", "1", "1", json.dumps([[8], [8, 8]]), str(out)])
     times = json.loads(out.read_text())["times"]
