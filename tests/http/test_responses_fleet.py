@@ -30,6 +30,7 @@ from himamba.services.tokenizer.http.response_ids import new_response_id, parse_
 from himamba.services.tokenizer.http.shared_responses import FileRecords, RedisRecords, SharedStoreError, open_records
 from tests.http.test_responses_api import CACHED, KEY, TEMPLATE, Harness
 from tests.http_request import free_port
+from tests.system_packages import REDIS, skip_without
 from tests.tokenizer.fakes import FakeScheduler, running_service, service_config, write_model_dir
 
 
@@ -309,9 +310,9 @@ def test_file_records_that_cannot_be_read_raise(tmp_path: Path):
 
 @pytest.fixture
 def redis_url(tmp_path: Path) -> Iterator[str]:
+    skip_without(REDIS)
     server = shutil.which("redis-server")
-    if server is None:
-        pytest.skip("no redis-server installed")
+    assert server is not None
     pytest.importorskip("redis")
     port = free_port()
     proc = subprocess.Popen(
