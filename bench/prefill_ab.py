@@ -99,11 +99,6 @@ def _commit(folder: str) -> str:
     return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
-def _quartile(ts: list[float], f: float) -> float:
-    s = sorted(ts)
-    return s[min(len(s) - 1, int(f * len(s)))]
-
-
 def _run_build(python: str, label: str, args: argparse.Namespace, cases: list[list[int]], out: Path) -> dict[str, Any]:
     cmd = [python, str(Path(__file__).resolve()), "--child", args.arch, args.preset, str(args.threads)]
     cmd += [str(args.repeats), json.dumps(cases), str(out)]
@@ -153,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from himamba.bench.forward import checkpoint_dir
+    from himamba.bench.latency_summary import percentile
     from himamba.bench.machine_info import describe_machine
     from himamba.bench.quiet_cpu import wait_quiet
     from himamba.bench.report_files import write_json
@@ -194,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                 else {
                     "median_ms": statistics.median(ts) * 1e3,
                     "min_ms": min(ts) * 1e3,
-                    "p25_ms": _quartile(ts, 0.25) * 1e3,
-                    "p75_ms": _quartile(ts, 0.75) * 1e3,
+                    "p25_ms": percentile(ts, 25) * 1e3,
+                    "p75_ms": percentile(ts, 75) * 1e3,
                     "n": len(ts),
                 }
             )
